@@ -1,0 +1,34 @@
+# Two entry points, each self-contained on a fresh machine:
+#   make demo   - the main job
+#   make test   - lint + the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.torchfix-installed
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first and pinned (the CPU wheel on the machine); then the project with its extras.
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check torchfix tests benchmarks examples
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/guard_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

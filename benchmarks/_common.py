@@ -1,0 +1,53 @@
+"""Shared benchmark helpers: machine description and writing a section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as md
+import os
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> str:
+    """One paragraph: CPU, cores, OS, Python, torch and friends, threads used."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            m = re.search(r"model name\s*:\s*(.+)", fh.read())
+            if m:
+                cpu = m.group(1).strip()
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; GPU: {gpu}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {_version('diffusers')}, "
+        f"transformers {_version('transformers')}, wrapt {_version('wrapt')}; torch threads {torch.get_num_threads()}; "
+        f"measured {_dt.date.today().isoformat()}"
+    )
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace (or append) the block between ``<!-- name:start -->`` and ``<!-- name:end -->``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nEach section is written by the script it names; rerun it to refresh.\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(text)

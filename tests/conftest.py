@@ -1,0 +1,38 @@
+"""Every test starts and ends with torchfix off and nothing patched."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TORCHFIX_MODE"] = "off"  # tests switch torchfix on themselves
+
+import pytest
+import torch
+
+import torchfix
+from torchfix import _context
+from torchfix.config import OFF
+from torchfix.patches import PATCHES
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+ORIGINALS = {p.label: getattr(p.owner, p.name) for p in PATCHES}
+
+
+def leaked() -> list[str]:
+    return [p.label for p in PATCHES if getattr(p.owner, p.name) is not ORIGINALS[p.label] or p.installed]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    assert not leaked(), f"patches leaked into this test: {leaked()}"
+    torchfix.report().clear()
+    from torchfix.guards import engine
+
+    engine.reset_warnings()
+    yield
+    torchfix.disable()
+    still = leaked()
+    state_ok = _context.get_global() is OFF and _context.scoped.get() is None
+    assert not still, f"patches left installed after the test: {still}"
+    assert state_ok, "torchfix state left on after the test"

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import torchfix
+from torchfix._report import FixEvent, Report
+
+
+def test_summary_counts_per_site_and_caps_kept_events():
+    rep = Report(max_events=2)
+    for i in range(5):
+        rep.add(FixEvent("F.linear", "dtype", "cast", "a.py:1", "proj", f"d{i}"))
+    rep.add(FixEvent("torch.cat", "dtype", "promote", "b.py:7", None, "x"))
+    assert len(rep.events) == 2 and rep.dropped == 4 and len(rep) == 6
+    text = rep.summary()
+    assert "6 fix(es) at 2 site(s)" in text and "a.py:1" in text and "TORCHFIX_MAX_EVENTS" in text
+    lines = text.splitlines()
+    assert lines[3].startswith("5") and "proj" in lines[3]
+    rep.clear()
+    assert rep.summary() == "torchfix: nothing was fixed."
+
+
+def test_process_report_is_shared_and_sites_are_user_frames():
+    x, w = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(3, 4, dtype=torch.float16)
+    with torchfix.enabled():
+        for _ in range(3):
+            F.linear(x, w)  # this line is the site
+    evs = torchfix.report().events
+    assert len(evs) == 3 and len({e.site for e in evs}) == 1
+    assert evs[0].site.startswith("tests/test_report.py:") and evs[0].module is None
+    assert "3 fix(es) at 1 site(s)" in torchfix.report().summary()

@@ -1,0 +1,59 @@
+"""torchfix: makes diffusion scripts that break on dtype, device, memory-layout
+and resolution problems just work, and says what it fixed.
+
+``import torchfix`` switches the guards on for the process in the mode named by
+``TORCHFIX_MODE`` (default ``fix``; ``off`` patches nothing).
+
+>>> import torchfix
+>>> torchfix.disable()
+>>> torchfix.is_enabled()
+False
+"""
+
+from . import devices
+from ._report import FixEvent, Report, report
+from ._state import Status, current, disable, enable, enabled, is_enabled, status
+from .config import Settings, env_mode
+from .errors import (
+    DeviceMismatchError,
+    DtypeMismatchError,
+    LayoutError,
+    ModelMismatchError,
+    TorchfixError,
+    TorchfixWarning,
+)
+from .guards.engine import keep_dtype
+from .guards.known_issues import KnownIssue
+from .guards.known_issues import add as add_known_issue
+from .guards.known_issues import remove as remove_known_issue
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceMismatchError",
+    "DtypeMismatchError",
+    "FixEvent",
+    "KnownIssue",
+    "LayoutError",
+    "ModelMismatchError",
+    "Report",
+    "Settings",
+    "Status",
+    "TorchfixError",
+    "TorchfixWarning",
+    "__version__",
+    "add_known_issue",
+    "current",
+    "devices",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
+    "keep_dtype",
+    "remove_known_issue",
+    "report",
+    "status",
+]
+
+if env_mode() != "off":
+    enable(env_mode())

@@ -1,0 +1,112 @@
+"""Where an op was called from: the user's ``file:line`` and the module path.
+
+Both are computed only when torchfix acts (an event or an error), never on the
+fast path, by walking the Python stack.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import weakref
+from types import FrameType
+
+import torch
+
+__all__ = ["call_site", "module_chain", "module_path", "name_root"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCHFIX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIP = (_TORCH_DIR, _TORCHFIX_DIR)
+_SITE_DIRS = tuple(
+    sorted({p + os.sep for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}, key=len, reverse=True)
+)
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+# root module -> name the pipeline gave it ("text_encoder"); filled by torchfix.wrap
+_ROOT_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# root module -> {id(submodule): dotted name}, rebuilt when a lookup misses
+_NAME_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIP):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _short(filename: str) -> str:
+    for site_dir in _SITE_DIRS:
+        if filename.startswith(site_dir):
+            return filename[len(site_dir) :]
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def call_site(depth: int = 1) -> str:
+    """``file:line`` of the innermost frame that is neither torch's nor torchfix's."""
+    frame = _user_frame(sys._getframe(depth))
+    if frame is None:
+        return "<unknown>"
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def module_chain(depth: int = 1) -> list[torch.nn.Module]:
+    """Modules being run, innermost first (read from ``Module._call_impl`` frames)."""
+    chain = []
+    frame: FrameType | None = sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module):
+                chain.append(module)
+        frame = frame.f_back
+    return chain
+
+
+def name_root(module: torch.nn.Module, name: str | None) -> None:
+    """Give a top-level module a display name (``None`` forgets it)."""
+    if name is None:
+        _ROOT_NAMES.pop(module, None)
+    else:
+        _ROOT_NAMES[module] = name
+
+
+def _resolves(root: torch.nn.Module, name: str, leaf: torch.nn.Module) -> bool:
+    try:
+        return root.get_submodule(name) is leaf
+    except AttributeError:
+        return False
+
+
+def _names(root: torch.nn.Module, leaf: torch.nn.Module) -> str | None:
+    cache = _NAME_CACHE.get(root)
+    name = None if cache is None else cache.get(id(leaf))
+    if name is None or not _resolves(root, name, leaf):
+        cache = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        _NAME_CACHE[root] = cache
+        name = cache.get(id(leaf))
+    return name
+
+
+def module_path(chain: list[torch.nn.Module]) -> str | None:
+    """Dotted path of the innermost module, e.g. ``text_encoder.text_projection``."""
+    if not chain:
+        return None
+    leaf = chain[0]
+    # The outermost module that the pipeline named wins; else the outermost one running.
+    root = next((m for m in reversed(chain) if m in _ROOT_NAMES), chain[-1])
+    prefix = _ROOT_NAMES.get(root, "")
+    if leaf is root:
+        return prefix or type(leaf).__name__
+    name = _names(root, leaf)
+    if name is None:
+        name = type(leaf).__name__
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,117 @@
+"""The process-wide record of what torchfix fixed.
+
+>>> import torchfix
+>>> rep = torchfix.report()
+>>> rep.clear()
+>>> len(rep.events)
+0
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from .config import env_max_events
+
+__all__ = ["FixEvent", "Report", "report"]
+
+
+@dataclass(frozen=True)
+class FixEvent:
+    """One fix torchfix applied.
+
+    Attributes:
+        op: the guarded callable, e.g. ``F.linear``.
+        guard: ``dtype``, ``device`` or ``stride``.
+        action: ``cast``, ``upcast``, ``promote``, ``move``, ``contiguous``, ``cpu`` or ``kernel``.
+        site: ``file:line`` of the caller (the first frame outside torch and torchfix).
+        module: dotted path of the innermost ``nn.Module`` being run, or ``None``.
+        detail: what changed, in words.
+    """
+
+    op: str
+    guard: str
+    action: str
+    site: str
+    module: str | None
+    detail: str
+
+
+class Report:
+    """Events in the order they happened, plus exact counts per site.
+
+    ``events`` keeps at most ``TORCHFIX_MAX_EVENTS`` (default 10,000) events so
+    that a per-call fix in a long loop cannot grow memory without bound;
+    ``summary()`` counts every event, kept or not.
+    """
+
+    def __init__(self, max_events: int | None = None) -> None:
+        self._lock = threading.Lock()
+        self._max = env_max_events() if max_events is None else max_events
+        self.events: list[FixEvent] = []
+        self.dropped = 0
+        self._counts: Counter[tuple[str, str, str, str, str | None]] = Counter()
+
+    def add(self, event: FixEvent) -> None:
+        """Record one event."""
+        with self._lock:
+            self._counts[(event.site, event.op, event.guard, event.action, event.module)] += 1
+            if len(self.events) < self._max:
+                self.events.append(event)
+            else:
+                self.dropped += 1
+
+    def clear(self) -> None:
+        """Forget every event and count."""
+        with self._lock:
+            self.events = []
+            self.dropped = 0
+            self._counts.clear()
+
+    def counts(self) -> dict[tuple[str, str, str, str, str | None], int]:
+        """``{(site, op, guard, action, module): count}`` over every event."""
+        with self._lock:
+            return dict(self._counts)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+    def summary(self) -> str:
+        """A readable table: one row per (site, op, guard, action, module), with counts.
+
+        >>> Report().summary()
+        'torchfix: nothing was fixed.'
+        """
+        rows = sorted(self.counts().items(), key=lambda kv: (-kv[1], kv[0][0]))
+        if not rows:
+            return "torchfix: nothing was fixed."
+        header = ("count", "op", "guard", "action", "module", "site")
+        table = [header] + [(str(n), op, guard, action, module or "-", site) for (site, op, guard, action, module), n in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines = [f"torchfix: {sum(n for _, n in rows)} fix(es) at {len({k[0] for k, _ in rows})} site(s)"]
+        for i, row in enumerate(table):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.dropped:
+            lines.append(f"({self.dropped} event(s) counted but not kept in .events; raise TORCHFIX_MAX_EVENTS to keep more)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<torchfix.Report {len(self)} event(s)>"
+
+
+_REPORT = Report()
+
+
+def report() -> Report:
+    """The process-wide :class:`Report`.
+
+    >>> import torchfix
+    >>> isinstance(torchfix.report(), torchfix.Report)
+    True
+    """
+    return _REPORT

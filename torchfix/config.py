@@ -1,0 +1,134 @@
+"""Settings for the guards, and the one place the environment is read.
+
+Precedence everywhere: explicit argument, then the ``TORCHFIX_*`` environment
+variable, then the default.
+
+>>> from torchfix.config import Settings
+>>> Settings(mode="warn").mode
+'warn'
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DEVICE_POLICIES", "GUARDS", "MODES", "Settings", "env_max_events", "env_mode"]
+
+MODES = ("off", "fix", "warn", "strict")
+GUARDS = ("dtype", "device", "stride")
+DEVICE_POLICIES = ("error", "align")
+
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"torchfix: {what}={value!r} is not valid; use one of {', '.join(map(repr, choices))}.")
+    return value
+
+
+def _parse_dtype(value: object) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise ValueError(f"torchfix: dtype={value} is not a floating dtype; use torch.float16, torch.bfloat16 or torch.float32.")
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.removeprefix("torch.")]
+    raise TypeError(
+        f"torchfix: dtype={value!r} is not a torch floating dtype; pass e.g. torch.bfloat16 (or None for the automatic policy)."
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the guards do in one scope (the process, or one ``with torchfix.enabled()``).
+
+    Args:
+        mode: ``off``, ``fix``, ``warn`` or ``strict``.
+        guards: which guards run, a subset of ``("dtype", "device", "stride")``.
+        dtype: target dtype for the matmul family and cat when dtypes are mixed
+            (``None``: autocast's dtype if active, else ``torch.promote_types``).
+        device_policy: ``"error"`` (raise before the op runs) or ``"align"``
+            (move inputs to the weight's, else the first tensor's, device).
+
+    >>> Settings(guards=("dtype",)).guards
+    frozenset({'dtype'})
+    """
+
+    mode: str = "fix"
+    guards: frozenset[str] = field(default=frozenset(GUARDS))
+    dtype: torch.dtype | None = None
+    device_policy: str = "error"
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("device_policy", self.device_policy, DEVICE_POLICIES)
+        guards = self.guards
+        if isinstance(guards, str):
+            guards = (guards,)
+        try:
+            guards = frozenset(guards)
+        except TypeError:
+            raise TypeError(f"torchfix: guards={self.guards!r} must be a tuple of names from {GUARDS}.") from None
+        unknown = sorted(g for g in guards if g not in GUARDS)
+        if unknown:
+            raise ValueError(f"torchfix: unknown guard(s) {unknown}; choose from {GUARDS}.")
+        object.__setattr__(self, "guards", guards)
+        object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
+        # Derived once so the per-call paths read plain booleans (also what dynamo traces best).
+        object.__setattr__(self, "active", self.mode != "off" and bool(guards))
+        object.__setattr__(self, "dtype_on", "dtype" in guards)
+        object.__setattr__(self, "device_on", "device" in guards)
+        object.__setattr__(self, "stride_on", "stride" in guards)
+
+    active: bool = field(init=False, repr=False, compare=False, default=False)
+    dtype_on: bool = field(init=False, repr=False, compare=False, default=False)
+    device_on: bool = field(init=False, repr=False, compare=False, default=False)
+    stride_on: bool = field(init=False, repr=False, compare=False, default=False)
+
+    def describe(self) -> str:
+        """One line: mode, guards, dtype policy and device policy."""
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "auto"
+        return f"mode={self.mode} guards={','.join(sorted(self.guards)) or '-'} dtype={dtype} device_policy={self.device_policy}"
+
+
+OFF = Settings(mode="off")
+
+
+def env_mode() -> str:
+    """The mode named by ``TORCHFIX_MODE`` (default ``fix``), validated."""
+    value = os.environ.get("TORCHFIX_MODE", "fix").strip().lower() or "fix"
+    if value not in MODES:
+        raise ValueError(f"torchfix: TORCHFIX_MODE={value!r} is not valid; use one of {', '.join(MODES)}.")
+    return value
+
+
+def env_max_events(default: int = 10_000) -> int:
+    """How many individual events the report keeps (``TORCHFIX_MAX_EVENTS``); counts are always exact."""
+    raw = os.environ.get("TORCHFIX_MAX_EVENTS")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"torchfix: TORCHFIX_MAX_EVENTS={raw!r} must be an integer.") from None
+    return max(value, 0)
+
+
+def env_kernels_disabled() -> bool:
+    """``TORCHFIX_DISABLE_KERNELS=1`` turns routing to torchfix kernels off."""
+    return os.environ.get("TORCHFIX_DISABLE_KERNELS", "").strip() not in ("", "0", "false", "no")

@@ -1,0 +1,100 @@
+"""Canonical device identity: two handles to one physical device compare equal.
+
+torch says ``torch.device("cpu") != torch.device("cpu", 0)`` and
+``torch.device("cuda") != torch.device("cuda:0")``, though each pair names one
+device. :func:`canonical` resolves a handle to the device it means;
+:func:`same` compares two handles by what they mean.
+
+>>> from torchfix import devices
+>>> devices.same("cpu", "cpu:0")
+True
+>>> devices.canonical("cpu:0")
+device(type='cpu')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["DeviceLike", "canonical", "same"]
+
+DeviceLike = Any  # str | int | torch.device | torch.Tensor | torch.nn.Module
+
+
+def _current_index(device_type: str) -> int:
+    # "cuda" means the *current* CUDA device, which set_device may have changed.
+    backend = getattr(torch, device_type, None)
+    is_available = getattr(backend, "is_available", None)
+    current = getattr(backend, "current_device", None)
+    if callable(is_available) and callable(current):
+        try:
+            if is_available():
+                return int(current())
+        except Exception:  # a backend that cannot answer means its default device
+            return 0
+    return 0
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    seen: dict[torch.device, str] = {}
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        seen.setdefault(canonical(tensor.device), name)
+    if not seen:
+        raise ValueError(f"torchfix.devices: {type(module).__name__} has no parameters or buffers, so it has no device.")
+    if len(seen) > 1:
+        where = ", ".join(f"{dev} (e.g. {name})" for dev, name in seen.items())
+        raise ValueError(
+            f"torchfix.devices: {type(module).__name__} spans several devices: {where}. "
+            "Move it with module.to(device) first, or ask about one tensor."
+        )
+    return next(iter(seen))
+
+
+def canonical(device: DeviceLike) -> torch.device:
+    """The device a handle means, in one spelling.
+
+    ``cpu``/``cpu:0`` become ``cpu``; an index-less accelerator (``cuda``,
+    ``mps``, ``xpu``) gets the current index; an int means that CUDA index.
+
+    Args:
+        device: a string, int, ``torch.device``, tensor, or ``nn.Module``
+            (all of whose parameters and buffers must share one device).
+
+    >>> canonical(torch.zeros(1))
+    device(type='cpu')
+    """
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    elif isinstance(device, torch.nn.Module):
+        return _module_device(device)
+    elif isinstance(device, bool):
+        raise TypeError("torchfix.devices: a bool is not a device.")
+    elif isinstance(device, int):
+        device = torch.device("cuda", device)
+    elif isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"torchfix.devices: {device!r} is not a device string (e.g. 'cpu', 'cuda:0', 'mps').") from exc
+    if not isinstance(device, torch.device):
+        raise TypeError(
+            f"torchfix.devices: cannot read a device from {type(device).__name__}; pass a string, torch.device, tensor or module."
+        )
+    if device.type in ("cpu", "meta"):
+        return torch.device(device.type)
+    if device.index is None:
+        return torch.device(device.type, _current_index(device.type))
+    return device
+
+
+def same(a: DeviceLike, b: DeviceLike) -> bool:
+    """Whether two handles name the same physical device.
+
+    >>> same("cpu", torch.device("cpu", 0))
+    True
+    >>> same("cpu", "meta")
+    False
+    """
+    return canonical(a) == canonical(b)

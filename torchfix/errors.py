@@ -1,0 +1,45 @@
+"""Exceptions and warnings raised by torchfix.
+
+All errors subclass :class:`RuntimeError`, because that is what torch itself
+raises for the same faults, so existing ``except RuntimeError`` blocks keep
+working.
+
+>>> import torchfix
+>>> issubclass(torchfix.DtypeMismatchError, RuntimeError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceMismatchError",
+    "DtypeMismatchError",
+    "LayoutError",
+    "ModelMismatchError",
+    "TorchfixError",
+    "TorchfixWarning",
+]
+
+
+class TorchfixError(RuntimeError):
+    """Base class of every error torchfix raises."""
+
+
+class DtypeMismatchError(TorchfixError):
+    """Tensors of different floating dtypes met in one op (and torchfix may not fix it)."""
+
+
+class DeviceMismatchError(TorchfixError):
+    """Tensors on different devices (or on ``meta``) met in one op."""
+
+
+class LayoutError(TorchfixError):
+    """A tensor layout hits a known backend bug and ``strict`` mode forbids the workaround."""
+
+
+class ModelMismatchError(TorchfixError):
+    """A pipeline was given state (embeddings, components) made for another model."""
+
+
+class TorchfixWarning(UserWarning):
+    """Emitted in ``warn`` mode, once per call site, for every fix torchfix applies."""

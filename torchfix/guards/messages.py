@@ -1,0 +1,67 @@
+"""Error and event text. The message is the product: it names the op, the
+call site, the module path, every tensor involved, and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .plan import Action, Finding
+
+__all__ = ["action_text", "describe_tensors", "error_message"]
+
+
+def _dt(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """One aligned line per tensor: name, dtype, device, shape, strides."""
+    rows = []
+    for name, t in tensors.items():
+        try:
+            rows.append((name, _dt(t.dtype), str(t.device), f"shape={tuple(t.shape)}", f"stride={tuple(t.stride())}"))
+        except (RuntimeError, NotImplementedError):  # e.g. a tensor without strides
+            rows.append((name, _dt(t.dtype), str(t.device), f"shape={tuple(t.shape)}", "stride=n/a"))
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def action_text(action: Action, tensors: Mapping[str, torch.Tensor]) -> str:
+    """E.g. ``weight float16→bfloat16`` or ``mat2 → contiguous copy``."""
+    t = tensors.get(action.operand)
+    if action.action in ("cast", "upcast", "promote"):
+        return f"{action.operand} {_dt(t.dtype) if t is not None else '?'}→{_dt(action.to)}"
+    if action.action in ("move", "cpu"):
+        return f"{action.operand} {t.device if t is not None else '?'}→{action.to if action.action == 'move' else 'cpu'}"
+    return f"{action.operand} → {action.action} ({action.to})" if action.to else f"{action.operand} → {action.action}"
+
+
+def error_message(
+    op: str,
+    finding: Finding,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    site: str,
+    module: str | None,
+    mode: str,
+) -> str:
+    """The full text of a torchfix error."""
+    lines = [f"torchfix [{finding.guard} guard, mode={mode}]: {op} got {finding.problem}."]
+    lines.append(f"  call site: {site}")
+    if module:
+        lines.append(f"  module:    {module}")
+    lines.append("  tensors:")
+    lines.extend(f"    {row}" for row in describe_tensors(tensors))
+    if finding.torch_raises:
+        lines.append("  plain torch raises for this call (its error is chained below).")
+    elif finding.guard == "device":
+        lines.append("  plain torch would NOT raise here: it returns a wrong result silently.")
+    if mode == "strict" and finding.actions:
+        would = ", ".join(action_text(a, tensors) for a in finding.actions)
+        lines.append(f"  in mode='fix' torchfix would: {would}.")
+    lines.append(f"  fix: {finding.fix}.")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""The vocabulary the guards answer in: an :class:`Operand` view of a call's
+tensors, :class:`Action` (one change to one operand) and :class:`Finding`
+(one problem, with the actions that fix it, or none when it cannot be fixed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Action", "Finding", "Operand"]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """What the dtype and device guards know of one tensor argument.
+
+    ``name`` is the parameter name (``weight``), or ``tensors[2]`` for cat.
+    """
+
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    scalar: bool = False  # a 0-dim tensor, which torch lets cross devices
+
+    @property
+    def role(self) -> str:
+        return self.name.split("[", 1)[0]
+
+
+@dataclass(frozen=True)
+class Action:
+    """Change one operand: ``cast``/``upcast`` to a dtype, ``move`` to a device,
+    ``contiguous``, or ``cpu`` (run on the CPU and move the result back)."""
+
+    guard: str
+    action: str
+    operand: str
+    to: Any = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A problem one guard found in one call.
+
+    Attributes:
+        guard: ``dtype``, ``device`` or ``stride``.
+        problem: one sentence naming the operands and what is wrong.
+        fix: how the user fixes it for good.
+        actions: what ``fix`` mode does about it; empty when it cannot be fixed.
+        torch_raises: whether plain torch raises for this call (else it runs,
+            silently promoting or computing garbage).
+        note: extra text for the event (e.g. the per-call cost of a weight cast).
+    """
+
+    guard: str
+    problem: str
+    fix: str
+    actions: tuple[Action, ...] = ()
+    torch_raises: bool = False
+    note: str = ""

@@ -1,0 +1,54 @@
+"""The stride guard: turn known-issue matches into a finding.
+
+>>> import torch
+>>> from torchfix.guards import known_issues as ki
+>>> a, b = torch.ones(4, 4), torch.ones(4, 4).t()
+>>> f = decide("mm", {"input": a, "mat2": b}, device_type="mps", torch_version="1.12.1")
+>>> [x.operand for x in f.actions]
+['mat2']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from . import known_issues as ki
+from .plan import Action, Finding
+
+__all__ = ["decide"]
+
+
+def decide(
+    family: str,
+    tensors: Mapping[str, torch.Tensor | None],
+    *,
+    device_type: str,
+    torch_version: str = ki.TORCH_VERSION,
+    os_version: str | None = ki.OS_VERSION,
+) -> Finding | None:
+    """The stride finding for one call: the workarounds of every matching row."""
+    matches = ki.matching(family, tensors, device_type=device_type, torch_version=torch_version, os_version=os_version)
+    if not matches:
+        return None
+    actions: list[Action] = []
+    seen: set[tuple[str, str]] = set()
+    for entry, names in matches:
+        if entry.workaround == "contiguous":
+            targets = names
+        else:  # upcast / cpu / kernel act on every floating operand
+            targets = tuple(n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point())
+        for n in targets:
+            if (entry.workaround, n) not in seen:
+                seen.add((entry.workaround, n))
+                actions.append(Action("stride", entry.workaround, n, entry.issue))
+    issues = "; ".join(f"{e.issue} ({e.description or e.workaround}) via {', '.join(n)}" for e, n in matches)
+    fix = "; ".join(f"{e.workaround} for {e.issue}" for e, _ in matches)
+    return Finding(
+        "stride",
+        f"known {device_type} issue(s) for this layout on torch {torch_version}: {issues}",
+        f"apply the workaround yourself ({fix}) or upgrade torch once the issue is fixed",
+        tuple(actions),
+        torch_raises=False,
+    )
