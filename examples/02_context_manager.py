@@ -9,6 +9,7 @@ model.add_module("encoder", torch.nn.Linear(8, 8))
 model.add_module("head", torch.nn.Linear(8, 4).to(torch.bfloat16))  # the stray layer
 x = torch.randn(2, 8)
 
+outer = torchfix.current().mode  # "fix" after `import torchfix`, unless TORCHFIX_MODE says otherwise
 with torchfix.enabled(mode="strict"):
     try:
         model(x)
@@ -18,4 +19,4 @@ with torchfix.enabled(mode="strict"):
 with torchfix.enabled(mode="fix"):
     y = model(x)
 print(f"fix mode: output {y.dtype}; {len(torchfix.report())} fix(es) recorded")
-assert y.dtype == torch.float32 and not torchfix.is_enabled()
+assert y.dtype == torch.float32 and torchfix.current().mode == outer  # the block restored the outer settings

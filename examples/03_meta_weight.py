@@ -11,10 +11,10 @@ import torchfix
 
 torchfix.disable()  # show plain torch first, whatever TORCHFIX_MODE says
 with torch.device("meta"):
-    head = torch.nn.Linear(16, 4)  # built under init_empty_weights() and never loaded
+    head = torch.nn.Linear(16, 4, bias=False)  # built under init_empty_weights() and never loaded
 x = torch.randn(2, 16)
 
-out = F.linear(x, head.weight, head.bias)
+out = F.linear(x, head.weight)
 print(f"plain torch: no error, returned a {out.device} tensor of shape {tuple(out.shape)} (garbage)")
 
 model = torch.nn.Sequential()

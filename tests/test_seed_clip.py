@@ -16,7 +16,8 @@ import torch
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 torch.manual_seed(0)
 cfg = CLIPTextConfig(vocab_size=1000, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                     num_attention_heads=4, projection_dim=16, max_position_embeddings=77)
+                     num_attention_heads=4, projection_dim=16, max_position_embeddings=77,
+                     pad_token_id=1, bos_token_id=0, eos_token_id=2)
 model = CLIPTextModelWithProjection(cfg).to(torch.bfloat16).eval()
 model.text_projection.to(torch.float16)          # the stray fp16 layer
 ids = torch.randint(1, 999, (2, 12))

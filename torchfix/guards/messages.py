@@ -50,7 +50,7 @@ def error_message(
     mode: str,
 ) -> str:
     """The full text of a torchfix error."""
-    lines = [f"torchfix [{finding.guard} guard, mode={mode}]: {op} got {finding.problem}."]
+    lines = [f"torchfix [{finding.guard} guard, mode={mode}]: {op}: {finding.problem}."]
     lines.append(f"  call site: {site}")
     if module:
         lines.append(f"  module:    {module}")
