@@ -10,10 +10,11 @@ and resolution problems just work, and says what it fixed.
 False
 """
 
-from . import devices
+from . import deepcache, devices
 from ._report import FixEvent, Report, report
 from ._state import Status, current, disable, enable, enabled, is_enabled, status
 from .config import Settings, env_mode
+from .deepcache import DeepCacheConfig
 from .errors import (
     DeviceMismatchError,
     DtypeMismatchError,
@@ -30,6 +31,7 @@ from .guards.known_issues import remove as remove_known_issue
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeepCacheConfig",
     "DeviceMismatchError",
     "DtypeMismatchError",
     "FixEvent",
@@ -44,6 +46,7 @@ __all__ = [
     "__version__",
     "add_known_issue",
     "current",
+    "deepcache",
     "devices",
     "disable",
     "enable",

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from torchfix.testing import tiny_sd15_pipeline, tiny_sdxl_pipeline
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    return tiny_sd15_pipeline()
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    return tiny_sdxl_pipeline()
+
+
+@pytest.fixture(autouse=True)
+def _no_deepcache_left(request):
+    yield
+    import torchfix
+
+    for name in ("sd15", "sdxl"):
+        if name in request.fixturenames:
+            pipe = request.getfixturevalue(name)
+            torchfix.deepcache.remove(pipe)
+            assert "forward" not in vars(pipe.unet)
+
+
+def generate(pipe, prompt="a cat", seed=0, steps=10, size=(64, 64), **kwargs):
+    return pipe(
+        prompt,
+        num_inference_steps=steps,
+        height=size[0],
+        width=size[1],
+        output_type="latent",
+        generator=torch.Generator().manual_seed(seed),
+        **kwargs,
+    ).images

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+
+import torchfix
+from torchfix.deepcache import DeepCacheConfig, full_steps, is_full_step
+
+
+def test_defaults_and_exports():
+    cfg = torchfix.DeepCacheConfig()
+    assert (cfg.interval, cfg.branch, cfg.schedule) == (3, 0, "uniform")
+    assert torchfix.deepcache.DeepCacheConfig is DeepCacheConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"interval": 0}, "interval"),
+        ({"branch": -1}, "branch"),
+        ({"schedule": "fast"}, "schedule"),
+        ({"start": 0.5, "stop": 0.5}, "start"),
+        ({"stop": 1.5}, "stop"),
+        ({"power": 0.5}, "power"),
+        ({"num_steps": 0}, "num_steps"),
+    ],
+)
+def test_validation_is_a_clear_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeepCacheConfig(**kwargs)
+    with pytest.raises(TypeError, match="int"):
+        DeepCacheConfig(interval=2.5)
+
+
+def test_uniform_schedule():
+    assert sorted(full_steps(10, DeepCacheConfig(interval=3))) == [0, 3, 6, 9]
+    assert sorted(full_steps(10, DeepCacheConfig(interval=1))) == list(range(10))
+    assert sorted(full_steps(10, DeepCacheConfig(interval=5))) == [0, 5]
+
+
+@pytest.mark.parametrize("interval", [2, 3, 4, 5])
+@pytest.mark.parametrize("total", [7, 10, 25, 50])
+def test_nonuniform_spends_the_same_number_of_full_steps_earlier(interval, total):
+    uni = full_steps(total, DeepCacheConfig(interval=interval))
+    non = full_steps(total, DeepCacheConfig(interval=interval, schedule="nonuniform"))
+    assert len(non) == len(uni) and 0 in non and max(non) < total
+    assert sum(non) <= sum(uni)  # packed towards the start
+
+
+def test_window_keeps_the_ends_full():
+    cfg = DeepCacheConfig(interval=4, start=0.2, stop=0.8)
+    f = full_steps(10, cfg)
+    assert {0, 1, 8, 9} <= f and 2 in f
+    assert not is_full_step(3, 10, cfg)
+
+
+def test_unknown_total_is_uniform():
+    cfg = DeepCacheConfig(interval=3, schedule="nonuniform")
+    assert [is_full_step(i, None, cfg) for i in range(7)] == [True, False, False, True, False, False, True]

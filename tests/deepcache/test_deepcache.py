@@ -1,0 +1,296 @@
+"""DeepCache on tiny SD1.5-like and SDXL-like pipelines and UNets."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import torchfix
+from torchfix.deepcache import DeepCacheConfig
+from torchfix.testing import tiny_sd15_unet, tiny_sdxl_unet
+
+from .conftest import generate
+
+CFG = DeepCacheConfig(interval=3, branch=0)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# --- apply / remove ----------------------------------------------------------------------
+
+
+def test_apply_remove_round_trip_and_no_stacking(sd15):
+    unet = sd15.unet
+    cls_forward = type(unet).forward
+    hooks_before = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in unet.named_modules()}
+    torchfix.deepcache.apply(sd15, CFG)
+    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2, branch=1))  # replaces
+    state = torchfix.deepcache.state_of(sd15)
+    assert state.original_forward.__func__ is cls_forward  # not a wrapper over a wrapper
+    assert state.config.interval == 2
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in unet.modules()) == 1
+    assert inspect.signature(unet.forward) == inspect.signature(unet.forward.__wrapped__)
+    torchfix.deepcache.remove(sd15)
+    torchfix.deepcache.remove(sd15)  # forgiving
+    assert "forward" not in vars(unet) and unet.forward.__func__ is cls_forward
+    assert "set_timesteps" not in vars(sd15.scheduler)
+    assert {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in unet.named_modules()} == hooks_before
+    assert torchfix.deepcache.stats(sd15) == {"applied": False}
+
+
+def test_bad_branch_and_unsupported_unets():
+    unet = tiny_sd15_unet()
+    with pytest.raises(ValueError, match=r"branch=12 but .* 12 skip connections"):
+        torchfix.deepcache.apply(unet, DeepCacheConfig(branch=12))
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match="lacks"):
+        torchfix.deepcache.apply(torch.nn.Linear(2, 2), CFG)
+    from diffusers import UNet2DConditionModel
+
+    odd = UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        down_block_types=("SimpleCrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "SimpleCrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        attention_head_dim=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+    )
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"down_blocks\.0 is SimpleCrossAttnDownBlock2D"):
+        torchfix.deepcache.apply(odd, CFG)
+
+
+# --- exactness -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_interval_one_is_bit_identical(name, request):
+    pipe = request.getfixturevalue(name)
+    ref = generate(pipe)
+    torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=1))
+    assert torch.equal(generate(pipe), ref)
+
+
+def _unet_inputs(unet, size, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 4, *size, generator=g)
+    ehs = torch.randn(batch, 7, unet.config.cross_attention_dim, generator=g)
+    kw = {}
+    if unet.config.addition_embed_type == "text_time":
+        kw["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, 32, generator=g), "time_ids": torch.randn(batch, 6, generator=g)}
+    return x, ehs, kw
+
+
+@pytest.mark.parametrize("make", [tiny_sd15_unet, tiny_sdxl_unet])
+def test_full_steps_bit_identical_and_cached_steps_close(make):
+    unet = make()
+    x, ehs, kw = _unet_inputs(unet, (9, 11))
+    with torch.no_grad():
+        plain = [unet(x, t, ehs, **kw).sample for t in (900, 800, 700, 600)]
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=3, branch=1))
+        cached = [unet(x, t, ehs, **kw).sample for t in (900, 800, 700, 600)]
+    assert torch.equal(cached[0], plain[0]) and torch.equal(cached[3], plain[3])  # full steps 0 and 3
+    for i in (1, 2):
+        assert not torch.equal(cached[i], plain[i]) and rel(cached[i], plain[i]) < 0.5
+    st = torchfix.deepcache.stats(unet)
+    assert (st["full_steps"], st["cached_steps"]) == (2, 2)
+    torchfix.deepcache.remove(unet)
+
+
+# pixel sizes from the issue, as latents (÷8); SDXL layout: no attention at the highest resolution
+SIZES = [(64, 64), (90, 120), (96, 170), (125, 125), (45, 60), (8, 8), (8, 13), (33, 17)]
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{h}x{w}" for h, w in SIZES])
+def test_every_latent_size_round_trips(size):
+    unet = tiny_sdxl_unet()
+    x, ehs, kw = _unet_inputs(unet, size, batch=1)
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=0))
+    with torch.no_grad():
+        first = unet(x, 900, ehs, **kw).sample
+        second = unet(x, torch.tensor([800]), encoder_hidden_states=ehs, **kw).sample
+    assert first.shape == second.shape == x.shape and torch.isfinite(second).all()
+    assert torchfix.deepcache.stats(unet)["cached_steps"] == 1
+    torchfix.deepcache.remove(unet)
+
+
+@pytest.mark.parametrize("branch", [0, 2, 3, 5, 8, 11])
+def test_every_branch_of_sd15_at_an_odd_size(branch):
+    unet = tiny_sd15_unet()
+    x, ehs, _ = _unet_inputs(unet, (45 // 3, 60 // 3 + 1))  # 15×21: 15→8→4→2 and back
+    with torch.no_grad():
+        plain = unet(x, 500, ehs).sample
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=branch))
+        unet(x, 500, ehs)
+        again = unet(x, 500, ehs).sample  # cached step, same input: the cached feature is exact
+    torch.testing.assert_close(again, plain, rtol=1e-5, atol=1e-5)
+    torchfix.deepcache.remove(unet)
+
+
+# --- generations never share state -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_resolution_change_between_calls(name, request):
+    pipe = request.getfixturevalue(name)
+    torchfix.deepcache.apply(pipe, CFG)
+    a1 = generate(pipe, size=(64, 64))
+    b = generate(pipe, size=(72, 88))
+    a2 = generate(pipe, size=(64, 64))
+    torchfix.deepcache.remove(pipe)
+    torchfix.deepcache.apply(pipe, CFG)
+    fresh_b = generate(pipe, size=(72, 88))
+    assert b.shape == (1, 4, 9, 11)
+    assert torch.equal(a1, a2) and torch.equal(b, fresh_b)
+
+
+def test_prompt_and_seed_change_never_see_old_features(sd15):
+    torchfix.deepcache.apply(sd15, CFG)
+    generate(sd15, prompt="a cat", seed=0)
+    dog = generate(sd15, prompt="a dog", seed=0)
+    seed1 = generate(sd15, prompt="a cat", seed=1)
+    torchfix.deepcache.remove(sd15)
+    torchfix.deepcache.apply(sd15, CFG)
+    assert torch.equal(dog, generate(sd15, prompt="a dog", seed=0))
+    torchfix.deepcache.remove(sd15)
+    torchfix.deepcache.apply(sd15, CFG)
+    assert torch.equal(seed1, generate(sd15, prompt="a cat", seed=1))
+
+
+@pytest.mark.parametrize("batch,guidance", [(1, 1.0), (2, 7.5), (4, 1.0), (3, 5.0)])
+def test_batch_and_guidance(sd15, batch, guidance):
+    ref = generate(sd15, num_images_per_prompt=batch, guidance_scale=guidance, steps=6)
+    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2))
+    out = generate(sd15, num_images_per_prompt=batch, guidance_scale=guidance, steps=6)
+    assert out.shape == ref.shape == (batch, 4, 8, 8)
+    assert 0 < rel(out, ref) < 0.3
+    st = torchfix.deepcache.stats(sd15)
+    assert (st["full_steps"], st["cached_steps"]) == (3, 3)
+    features = torchfix.deepcache.state_of(sd15).feature
+    assert features.shape[0] == batch * (2 if guidance > 1 else 1)
+
+
+def test_img2img_starts_with_a_full_step(sd15):
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    img2img = StableDiffusionImg2ImgPipeline(**sd15.components)
+    img2img.set_progress_bar_config(disable=True)
+    init = torch.rand(1, 3, 64, 64)
+    torchfix.deepcache.apply(sd15, CFG)  # the same UNet and scheduler serve both pipelines
+    generate(sd15)
+    st0 = dict(torchfix.deepcache.stats(sd15))
+    out = img2img("a cat", image=init, strength=0.5, num_inference_steps=10, output_type="latent",
+                  generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+    state = torchfix.deepcache.state_of(sd15)
+    assert state.step == 5 and torchfix.deepcache.stats(sd15)["full_steps"] - st0["full_steps"] == 2
+    torchfix.deepcache.remove(sd15)
+    torchfix.deepcache.apply(sd15, CFG)
+    fresh = img2img("a cat", image=init, strength=0.5, num_inference_steps=10, output_type="latent",
+                    generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+    assert torch.equal(out, fresh)
+
+
+@pytest.mark.parametrize("scheduler", ["DDIMScheduler", "EulerDiscreteScheduler", "DPMSolverMultistepScheduler", "HeunDiscreteScheduler"])
+def test_schedulers_count_calls_not_timesteps(sd15, scheduler):
+    import diffusers
+
+    original = sd15.scheduler
+    sd15.scheduler = getattr(diffusers, scheduler).from_config(original.config)
+    try:
+        torchfix.deepcache.apply(sd15, CFG)
+        out = generate(sd15, steps=5)
+        state = torchfix.deepcache.state_of(sd15)
+        calls = len(sd15.scheduler.timesteps)  # Heun: 2·5−1 UNet calls, timesteps repeated
+        assert state.step == calls == state.total
+        assert state.full_steps == len(torchfix.deepcache.full_steps(calls, CFG))
+        assert torch.isfinite(out).all()
+    finally:
+        torchfix.deepcache.remove(sd15)
+        sd15.scheduler = original
+
+
+def test_timestep_forms_and_no_scheduler():
+    unet = tiny_sd15_unet()
+    x, ehs, _ = _unet_inputs(unet, (8, 8))
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, num_steps=4))
+    with torch.no_grad():
+        for t in (999, torch.tensor(800), torch.tensor([600, 600]), torch.tensor(400.0)):
+            unet(sample=x, timestep=t, encoder_hidden_states=ehs)
+    assert torchfix.deepcache.stats(unet)["cached_steps"] == 2
+    torchfix.deepcache.new_call(unet)
+    with torch.no_grad():
+        unet(x, 999, ehs)
+    assert torchfix.deepcache.stats(unet)["full_steps"] == 3 and torchfix.deepcache.stats(unet)["generations"] == 2
+    torchfix.deepcache.remove(unet)
+
+
+def test_cache_holds_one_feature(sd15):
+    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=3, branch=0))
+    generate(sd15, size=(64, 96))
+    state = torchfix.deepcache.state_of(sd15)
+    # branch 0 of SD1.5: the feature entering the last resnet of the last up block
+    assert state.feature.shape == (2, 8, 8, 12)
+    assert torchfix.deepcache.stats(sd15)["cache_bytes"] == 2 * 8 * 8 * 12 * 4
+
+
+def test_controlnet_residuals_reach_cached_steps():
+    unet = tiny_sd15_unet()
+    x, ehs, _ = _unet_inputs(unet, (8, 8))
+    # the 12 skips of an 8×8 latent: conv_in, D0 (2 layers + downsampler), D1, D2 (same), D3 (2 layers)
+    residual = [torch.zeros(2, 8, 8, 8)] * 3 + [torch.zeros(2, 8, 4, 4)] + [torch.zeros(2, 16, 4, 4)] * 2
+    residual += [torch.zeros(2, 16, 2, 2)] * 3 + [torch.zeros(2, 16, 1, 1)] * 3
+    mid = torch.zeros(2, 16, 1, 1)
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=0))
+    with torch.no_grad():
+        unet(x, 500, ehs, down_block_additional_residuals=residual, mid_block_additional_residual=mid)
+        zero_res = unet(x, 400, ehs, down_block_additional_residuals=residual, mid_block_additional_residual=mid).sample
+        torchfix.deepcache.new_call(unet)
+        unet(x, 500, ehs)
+        no_res = unet(x, 400, ehs).sample
+        torchfix.deepcache.new_call(unet)
+        bumped = [r + 1.0 for r in residual]
+        unet(x, 500, ehs, down_block_additional_residuals=bumped, mid_block_additional_residual=mid)
+        with_res = unet(x, 400, ehs, down_block_additional_residuals=bumped, mid_block_additional_residual=mid).sample
+    assert torch.equal(zero_res, no_res)
+    assert not torch.allclose(with_res, no_res)
+    assert torchfix.deepcache.stats(unet)["cached_steps"] == 3
+    torchfix.deepcache.remove(unet)
+
+
+def test_lora_loaded_unet(sd15):
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    unet = sd15.unet
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False))
+    try:
+        ref = generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5})
+        torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=1))
+        assert torch.equal(generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5}), ref)
+        torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2, branch=2))
+        half = generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5})
+        full_scale = generate(sd15, steps=4, cross_attention_kwargs={"scale": 1.0})
+        assert not torch.allclose(half, full_scale)  # the LoRA scale reaches cached steps
+        assert rel(half, ref) < 0.3
+    finally:
+        torchfix.deepcache.remove(sd15)
+        unet.delete_adapters(unet.active_adapters())
+
+
+@pytest.mark.slow
+def test_compile_across_resolutions():
+    unet = tiny_sdxl_unet()
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=1))
+    compiled = torch.compile(unet, backend="eager", dynamic=False)
+    with torch.no_grad():
+        for size in ((90, 120), (90, 90), (45, 60)):  # 720×960 → 720×720 → 360×480
+            x, ehs, kw = _unet_inputs(unet, size, batch=1)
+            torchfix.deepcache.new_call(unet)
+            full = compiled(x, 900, ehs, **kw).sample
+            cached = compiled(x, 800, ehs, **kw).sample
+            assert full.shape == cached.shape == x.shape
+    assert torchfix.deepcache.stats(unet)["cached_steps"] == 3
+    torchfix.deepcache.remove(unet)

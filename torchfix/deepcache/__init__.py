@@ -1,0 +1,25 @@
+"""Resolution-tolerant DeepCache for diffusers UNets that is never stale.
+
+>>> import torchfix
+>>> cfg = torchfix.DeepCacheConfig(interval=3, branch=0)
+>>> # torchfix.deepcache.apply(pipe, cfg); pipe(...); torchfix.deepcache.remove(pipe)
+"""
+
+from .config import DeepCacheConfig, full_steps, is_full_step
+from .layout import Layout, UnsupportedUNetError, analyse
+from .runtime import DeepCacheState, apply, new_call, remove, state_of, stats
+
+__all__ = [
+    "DeepCacheConfig",
+    "DeepCacheState",
+    "Layout",
+    "UnsupportedUNetError",
+    "analyse",
+    "apply",
+    "full_steps",
+    "is_full_step",
+    "new_call",
+    "remove",
+    "state_of",
+    "stats",
+]

@@ -1,0 +1,270 @@
+"""DeepCache state per UNet and per generation, and the ``forward`` that uses it.
+
+A *generation* (one pipeline call) starts when the pipeline's scheduler sets
+its timesteps, when :func:`new_call` is called, or when the UNet is called with
+a different ``encoder_hidden_states`` object (a new prompt) or a sample of
+another shape, dtype or device (resolution, batch, guidance). Its first UNet
+call is always a full step. UNet calls are counted, never looked up by
+timestep value, so nothing synchronises with the device and repeated
+timesteps (Heun) or keyword/int/1-D timesteps are all fine.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..patches import instance
+from .config import DeepCacheConfig, full_steps
+from .layout import Layout, analyse
+from .shallow import shallow_forward
+
+__all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
+
+log = logging.getLogger("torchfix")
+
+# Arguments a cached step cannot honour: those calls run in full.
+_FULL_ONLY = ("down_intrablock_additional_residuals",)
+
+
+@dataclass
+class DeepCacheState:
+    """Everything DeepCache keeps for one UNet. Only ``feature`` holds activation memory."""
+
+    config: DeepCacheConfig
+    layout: Layout
+    original_forward: Any
+    handles: list[Any] = field(default_factory=list)
+    feature: torch.Tensor | None = None
+    signature: tuple | None = None  # (shape, dtype, device) of the sample the feature belongs to
+    prompt: Any = None  # the encoder_hidden_states object of the current generation
+    step: int = 0
+    total: int | None = None
+    pending_new_call: bool = True
+    capturing: bool = False
+    full_steps: int = 0
+    cached_steps: int = 0
+    generations: int = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        f = self.feature
+        return 0 if f is None else f.numel() * f.element_size()
+
+    def reset(self) -> None:
+        """Forget the cached feature and the current generation."""
+        self.feature = None
+        self.signature = None
+        self.prompt = None
+        self.step = 0
+        self.pending_new_call = True
+
+
+_STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState] = weakref.WeakKeyDictionary()
+_SCHEDULER_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _resolve(target: Any) -> tuple[torch.nn.Module, Any]:
+    unet = getattr(target, "unet", None)
+    if isinstance(unet, torch.nn.Module):
+        return unet, target
+    if isinstance(target, torch.nn.Module):
+        return target, None
+    raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline or its UNet, got {type(target).__name__}.")
+
+
+def state_of(target: Any) -> DeepCacheState | None:
+    """The DeepCache state of a UNet (or a pipeline's UNet), or ``None`` when not applied."""
+    unet, _ = _resolve(target)
+    return _STATES.get(unet)
+
+
+def new_call(target: Any) -> None:
+    """Start a new generation: the next UNet call is a full step and the cache is dropped.
+
+    Pipelines do this themselves (through their scheduler); call it when you drive a bare UNet.
+    """
+    state = state_of(target)
+    if state is not None:
+        state.reset()
+
+
+def stats(target: Any) -> dict[str, Any]:
+    """Counts and memory: full and cached steps so far, generations, bytes held by the cache."""
+    state = state_of(target)
+    if state is None:
+        return {"applied": False}
+    return {
+        "applied": True,
+        "full_steps": state.full_steps,
+        "cached_steps": state.cached_steps,
+        "generations": state.generations,
+        "cache_bytes": state.cache_bytes,
+        "branch": state.layout.describe(state.config.branch),
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def _full_set(total: int, config: DeepCacheConfig) -> frozenset[int]:
+    return full_steps(total, config)
+
+
+@torch.compiler.disable
+def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool:
+    """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
+    signature = (tuple(sample.shape), sample.dtype, sample.device)
+    if state.pending_new_call or prompt is not state.prompt or signature != state.signature:
+        state.pending_new_call = False
+        state.feature = None
+        state.prompt = prompt
+        state.signature = signature
+        state.step = 0
+        state.generations += 1
+    index = state.step
+    state.step += 1
+    config = state.config
+    if index == 0 or state.feature is None or config.interval == 1:
+        full = True
+    elif any(kwargs.get(name) is not None for name in _FULL_ONLY):
+        full = True
+    else:
+        total = state.total if state.total is not None else config.num_steps
+        full = index % config.interval == 0 if total is None or index >= total else index in _full_set(total, config)
+    if full:
+        state.full_steps += 1
+        state.capturing = True
+    else:
+        state.cached_steps += 1
+    return full
+
+
+@torch.compiler.disable
+def _done_full(state: DeepCacheState) -> None:
+    state.capturing = False
+
+
+def _capture_hook(state_ref: weakref.ref[DeepCacheState], pre: bool) -> Any:
+    # Stores a reference (no copy) to the tensor entering the branch's consumer.
+    if pre:
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            state = state_ref()
+            if state is not None and state.capturing:
+                h = kwargs.get("hidden_states", args[0] if args else None)
+                state.feature = h.detach()
+
+        return hook
+
+    def hook_out(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        state = state_ref()
+        if state is not None and state.capturing:
+            h = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
+            state.feature = h.detach()
+
+    return hook_out
+
+
+def _make_forward(unet: torch.nn.Module, state: DeepCacheState) -> Any:
+    original = state.original_forward
+    sig = inspect.signature(original)
+    unet_ref = weakref.ref(unet)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        arguments = bound.arguments
+        sample = arguments["sample"]
+        if _decide(state, sample, arguments.get("encoder_hidden_states"), arguments):
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _done_full(state)
+        extra = arguments.pop("kwargs", None) or {}
+        return shallow_forward(unet_ref(), state.layout, state.config.branch, state.feature, **arguments, **extra)
+
+    forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _install_scheduler_hook(pipe: Any, unet: torch.nn.Module) -> list[Any]:
+    scheduler = getattr(pipe, "scheduler", None)
+    set_timesteps = getattr(scheduler, "set_timesteps", None)
+    if not callable(set_timesteps):
+        return []
+    unet_ref = weakref.ref(unet)
+
+    @functools.wraps(set_timesteps)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        result = set_timesteps(*args, **kwargs)
+        state = _STATES.get(unet_ref()) if unet_ref() is not None else None
+        if state is not None:
+            state.reset()
+            timesteps = getattr(scheduler, "timesteps", None)
+            state.total = len(timesteps) if timesteps is not None else None
+        return result
+
+    return [instance.set_attr(scheduler, "set_timesteps", hooked)]
+
+
+def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState:
+    """Apply DeepCache to a diffusers pipeline or its ``UNet2DConditionModel``.
+
+    Applying again replaces the previous application (never a wrapper over a wrapper).
+
+    Args:
+        target: a pipeline with a ``unet``, or the UNet itself.
+        config: a :class:`DeepCacheConfig` (default: interval 3, branch 0, uniform).
+
+    >>> import torchfix
+    >>> from torchfix.testing import tiny_sd15_pipeline
+    >>> pipe = tiny_sd15_pipeline()  # doctest: +SKIP
+    >>> torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=3))  # doctest: +SKIP
+    """
+    config = DeepCacheConfig() if config is None else config
+    if not isinstance(config, DeepCacheConfig):
+        raise TypeError(f"torchfix.deepcache.apply: config must be a DeepCacheConfig, got {type(config).__name__}.")
+    unet, pipe = _resolve(target)
+    layout = analyse(unet)
+    if config.branch >= layout.n_skips:
+        raise ValueError(
+            f"torchfix.deepcache: branch={config.branch} but {type(unet).__name__} has {layout.n_skips} skip connections "
+            f"(branch 0..{layout.n_skips - 1})."
+        )
+    if unet in _STATES:
+        remove(unet)
+    state = DeepCacheState(config, layout, unet.forward)
+    state_ref = weakref.ref(state)
+    i, j = layout.consumers[config.branch]
+    up = unet.up_blocks[i]
+    if j == 0:
+        state.handles.append(instance.add_hook(up, _capture_hook(state_ref, pre=True), pre=True, with_kwargs=True))
+    else:
+        producer = up.attentions[j - 1] if getattr(up, "attentions", None) is not None else up.resnets[j - 1]
+        state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False)))
+    state.handles.append(instance.set_attr(unet, "forward", _make_forward(unet, state)))
+    if pipe is not None:
+        hooks = _install_scheduler_hook(pipe, unet)
+        state.handles.extend(hooks)
+        _SCHEDULER_HOOKS[unet] = hooks
+    _STATES[unet] = state
+    log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(unet).__name__, layout.describe(config.branch), config.interval)
+    return state
+
+
+def remove(target: Any) -> None:
+    """Remove DeepCache: ``forward``, hooks and the cache go; the UNet is as it was. Harmless when not applied."""
+    unet, _ = _resolve(target)
+    state = _STATES.pop(unet, None)
+    if state is None:
+        return
+    for handle in reversed(state.handles):
+        handle.restore()
+    state.handles.clear()
+    _SCHEDULER_HOOKS.pop(unet, None)
+    state.reset()

@@ -1,0 +1,190 @@
+"""Tiny SD1.5-like and SDXL-like diffusers pipelines built offline, for tests,
+the demo and benchmarks: configs with random weights and a CLIP tokenizer
+written on the fly. Nothing is downloaded.
+
+Imports diffusers and transformers, so ``import torchfix`` never imports this.
+
+>>> from torchfix.testing import tiny_sd15_pipeline
+>>> pipe = tiny_sd15_pipeline()  # doctest: +SKIP
+>>> image = pipe("a cat", num_inference_steps=4, height=64, width=64, output_type="latent").images  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "clip_tokenizer",
+    "tiny_sd15_pipeline",
+    "tiny_sd15_unet",
+    "tiny_sdxl_pipeline",
+    "tiny_sdxl_unet",
+    "tiny_text_encoder",
+    "tiny_vae",
+]
+
+TEXT_DIM = 32
+
+
+def _byte_level_alphabet() -> list[str]:
+    # The GPT-2 byte-to-unicode table that CLIP's BPE uses (transformers 5 no longer exports it).
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in codes]
+
+
+def clip_tokenizer(directory: str | Path | None = None) -> Any:
+    """A CLIP tokenizer with a byte-level vocabulary (514 tokens), written to ``directory`` (a temp dir by default)."""
+    from transformers import CLIPTokenizer
+
+    chars = _byte_level_alphabet()
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    folder = Path(directory or tempfile.mkdtemp(prefix="torchfix-tokenizer-"))
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77, pad_token="<|endoftext|>")
+
+
+def tiny_text_encoder(with_projection: bool = False, hidden: int = TEXT_DIM, seed: int = 0) -> Any:
+    """A 2-layer CLIP text encoder (optionally with ``text_projection``), random weights."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        projection_dim=hidden,
+        max_position_embeddings=77,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        hidden_act="gelu",
+    )
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return cls(config).eval()
+
+
+def tiny_vae(seed: int = 0) -> Any:
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,  # 3 downsamplers: latents are pixels / 8, as in SD
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=32,
+    ).eval()
+
+
+def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM) -> Any:
+    """SD1.5 layout: cross-attention at the highest resolution, 3 downsamplers."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=2,
+        block_out_channels=(8, 16, 16, 16),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    ).eval()
+
+
+def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM) -> Any:
+    """SDXL layout: no attention at the highest resolution, ``text_time`` added conditioning."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=2,
+        block_out_channels=(8, 16, 32),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 1, 2),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=4,
+        norm_num_groups=4,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + TEXT_DIM,
+    ).eval()
+
+
+def _scheduler(name: str) -> Any:
+    import diffusers
+
+    cls = getattr(diffusers, name)
+    kwargs: dict[str, Any] = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
+    if name == "DDIMScheduler":
+        kwargs.update(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    if name == "DPMSolverMultistepScheduler":
+        kwargs.update(algorithm_type="dpmsolver++")
+    return cls(**kwargs)
+
+
+def tiny_sd15_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0) -> Any:
+    """A StableDiffusionPipeline with tiny components (no safety checker)."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(
+        vae=tiny_vae(seed),
+        text_encoder=tiny_text_encoder(seed=seed),
+        tokenizer=clip_tokenizer(),
+        unet=tiny_sd15_unet(seed),
+        scheduler=_scheduler(scheduler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0) -> Any:
+    """A StableDiffusionXLPipeline with tiny components: two CLIP encoders (the second with projection)."""
+    from diffusers import StableDiffusionXLPipeline
+
+    tokenizer = clip_tokenizer()
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_vae(seed),
+        text_encoder=tiny_text_encoder(seed=seed),
+        text_encoder_2=tiny_text_encoder(with_projection=True, seed=seed + 1),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=tiny_sdxl_unet(seed),
+        scheduler=_scheduler(scheduler),
+        add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
