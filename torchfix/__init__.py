@@ -27,6 +27,7 @@ from .guards.engine import keep_dtype
 from .guards.known_issues import KnownIssue
 from .guards.known_issues import add as add_known_issue
 from .guards.known_issues import remove as remove_known_issue
+from .pipeline import PipelineProxy, wrap
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "KnownIssue",
     "LayoutError",
     "ModelMismatchError",
+    "PipelineProxy",
     "Report",
     "Settings",
     "Status",
@@ -56,6 +58,7 @@ __all__ = [
     "remove_known_issue",
     "report",
     "status",
+    "wrap",
 ]
 
 if env_mode() != "off":

@@ -101,8 +101,11 @@ def module_path(chain: list[torch.nn.Module]) -> str | None:
     if not chain:
         return None
     leaf = chain[0]
-    # The outermost module that the pipeline named wins; else the outermost one running.
-    root = next((m for m in reversed(chain) if m in _ROOT_NAMES), chain[-1])
+    # The outermost module that the pipeline named wins; else a named module that
+    # contains the running ones (a submodule called directly); else the outermost running.
+    root = next((m for m in reversed(chain) if m in _ROOT_NAMES), None)
+    if root is None:
+        root = next((r for r in list(_ROOT_NAMES.keys()) if _names(r, chain[-1]) is not None), chain[-1])
     prefix = _ROOT_NAMES.get(root, "")
     if leaf is root:
         return prefix or type(leaf).__name__
