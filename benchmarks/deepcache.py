@@ -215,10 +215,58 @@ def robustness(build):
     return rows
 
 
+def make_plot(points, path):
+    """Speedup vs rel-L2, one panel per pipeline and size; returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    tags = sorted({p[0] for p in points}, key=lambda t: (t.split()[0], int(t.split()[1].split("×")[0])))
+    cols = 3
+    rows = (len(tags) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    methods = sorted({p[1] for p in points})
+    for ax, tag in zip(axes.flat, tags):
+        for method in methods:
+            pts = [(s, e) for t, m, s, e in points if t == tag and m == method]
+            if pts:
+                ax.scatter([p[1] for p in pts], [p[0] for p in pts], label=method, s=20)
+        ax.set_title(tag)
+        ax.set_xlabel("relative L2 of final latents vs plain")
+        ax.set_ylabel("speedup vs plain")
+        ax.set_xscale("symlog", linthresh=1e-3)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tags) :]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def replot_from_docs() -> None:
+    """Rebuild docs/deepcache.png from the table already in docs/benchmarks.md."""
+    text = DOCS.read_text()
+    section = text[text.index("<!-- deepcache:start -->") : text.index("<!-- deepcache:end -->")]
+    points = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 9 and cells[5].endswith("×") and cells[1] != "plain":
+            points.append((cells[0], cells[1], float(cells[5][:-1]), float(cells[6])))
+    print(make_plot(points, DOCS.parent / "deepcache.png"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--replot", action="store_true", help="only rebuild the plot from docs/benchmarks.md")
     args = ap.parse_args()
+    if args.replot:
+        replot_from_docs()
+        return
     torch.set_num_threads(2)
     sizes = [(512, 512)] if args.quick else [(512, 512), (720, 960), (1000, 1000)]
     intervals = (3,) if args.quick else (2, 3, 4, 5)
@@ -278,29 +326,7 @@ def main() -> None:
     for r in robust:
         print(r, flush=True)
 
-    plot = DOCS.parent / "deepcache.png"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        tags = sorted({p[0] for p in plot_points})
-        fig, axes = plt.subplots(1, len(tags), figsize=(5 * len(tags), 4), squeeze=False)
-        for ax, tag in zip(axes[0], tags):
-            for method in sorted({p[1] for p in plot_points if p[0] == tag}):
-                pts = [(s, e) for t, m, s, e in plot_points if t == tag and m == method]
-                ax.scatter([p[1] for p in pts], [p[0] for p in pts], label=method, s=18)
-            ax.set_title(tag)
-            ax.set_xlabel("relative L2 of final latents vs plain")
-            ax.set_ylabel("speedup vs plain")
-            ax.set_xscale("symlog", linthresh=1e-3)
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(plot, dpi=110)
-    except ImportError:
-        plot = None
+    plot = make_plot(plot_points, DOCS.parent / "deepcache.png")
 
     header = ("pipeline", "method", "interval", "branch", "time", "speedup", "rel-L2", "bound S/(F+C·f)", "speed/bound")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
