@@ -29,7 +29,7 @@ from _common import DOCS, machine, write_section  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.deepcache import DeepCacheConfig, full_steps  # noqa: E402
-from torchfix.testing import tiny_sd15_pipeline, tiny_sdxl_pipeline  # noqa: E402
+from torchfix.testing import latents, tiny_sd15_pipeline, tiny_sdxl_pipeline  # noqa: E402
 
 STEPS = 10
 
@@ -42,14 +42,7 @@ def generate(pipe, size, prompt="a photo of a cat", seed=0):
     best = float("inf")
     for _ in range(REPEATS[0]):
         start = time.perf_counter()
-        out = pipe(
-            prompt,
-            num_inference_steps=STEPS,
-            height=size[0],
-            width=size[1],
-            output_type="latent",
-            generator=torch.Generator().manual_seed(seed),
-        ).images
+        out = latents(pipe, prompt, steps=STEPS, size=size, seed=seed)
         best = min(best, time.perf_counter() - start)
     return out, best
 

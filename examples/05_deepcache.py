@@ -7,18 +7,15 @@ every generation with a full step. Tiny SDXL-like pipeline, random weights, 10 s
 
 import time
 
-import torch
-
 import torchfix
-from torchfix.testing import tiny_sdxl_pipeline
+from torchfix.testing import latents, tiny_sdxl_pipeline
 
 pipe = tiny_sdxl_pipeline()
 
 
 def run(size, prompt="a cat"):
     start = time.perf_counter()
-    out = pipe(prompt, num_inference_steps=10, height=size[0], width=size[1], output_type="latent",
-               generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+    out = latents(pipe, prompt, steps=10, size=size)
     return out, time.perf_counter() - start
 
 

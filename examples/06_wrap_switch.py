@@ -11,7 +11,7 @@ import weakref
 import torch
 
 import torchfix
-from torchfix.testing import tiny_sd15_pipeline, tiny_sdxl_pipeline
+from torchfix.testing import latents, tiny_sd15_pipeline, tiny_sdxl_pipeline
 
 kw = dict(num_inference_steps=6, height=64, width=64, output_type="latent")
 sdxl = tiny_sdxl_pipeline()
@@ -27,7 +27,7 @@ try:
     w(prompt_embeds=embeds, negative_prompt_embeds=negative, **kw)
 except torchfix.ModelMismatchError as exc:
     print(f"torchfix.wrap, before running:\n  {exc}")
-first = w("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+first = latents(w, steps=6)
 old_unet = weakref.ref(sd15.unet)
 w.unwrap()
 del w, sd15
@@ -35,7 +35,7 @@ gc.collect()
 
 for pipe in (sdxl, tiny_sd15_pipeline()):
     w = torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3))
-    out = w("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    out = latents(w, steps=6)
     print(f"{type(pipe).__name__}: latents {tuple(out.shape)}, preflight findings: {w.findings or 'none'}")
     w.unwrap()
 print(f"SD1.5 again equals the first SD1.5 run bit for bit: {torch.equal(out, first)}; first UNet freed: {old_unet() is None}")

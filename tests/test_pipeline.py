@@ -18,14 +18,13 @@ pytest.importorskip("diffusers")
 
 from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-from torchfix.testing import tiny_sd15_pipeline, tiny_sd15_unet, tiny_sdxl_pipeline
+from torchfix.testing import latents, tiny_sd15_pipeline, tiny_sd15_unet, tiny_sdxl_pipeline
 
 CFG = torchfix.DeepCacheConfig(interval=3, branch=0)
 
 
 def run(pipe, prompt="a cat", seed=0, steps=6, size=(64, 64), **kw):
-    return pipe(prompt, num_inference_steps=steps, height=size[0], width=size[1], output_type="latent",
-                generator=torch.Generator().manual_seed(seed), **kw).images  # fmt: skip
+    return latents(pipe, prompt, steps=steps, size=size, seed=seed, **kw)
 
 
 def snapshot(pipe):

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "clip_tokenizer",
+    "latents",
     "tiny_sd15_pipeline",
     "tiny_sd15_unet",
     "tiny_sdxl_pipeline",
@@ -98,47 +99,39 @@ def tiny_vae(seed: int = 0) -> Any:
     ).eval()
 
 
-def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM) -> Any:
-    """SD1.5 layout: cross-attention at the highest resolution, 3 downsamplers."""
+def _tiny_unet(seed: int, **config: Any) -> Any:
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(seed)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=2,
+    base = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, attention_head_dim=4, norm_num_groups=4)
+    return UNet2DConditionModel(**base, **config).eval()
+
+
+def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM) -> Any:
+    """SD1.5 layout: cross-attention at the highest resolution, 3 downsamplers."""
+    return _tiny_unet(
+        seed,
         block_out_channels=(8, 16, 16, 16),
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=cross_attention_dim,
-        attention_head_dim=4,
-        norm_num_groups=4,
-    ).eval()
+    )
 
 
 def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM) -> Any:
     """SDXL layout: no attention at the highest resolution, ``text_time`` added conditioning."""
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(seed)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=2,
+    return _tiny_unet(
+        seed,
         block_out_channels=(8, 16, 32),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         transformer_layers_per_block=(1, 1, 2),
         cross_attention_dim=cross_attention_dim,
-        attention_head_dim=4,
-        norm_num_groups=4,
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=8,
         projection_class_embeddings_input_dim=6 * 8 + TEXT_DIM,
-    ).eval()
+    )
 
 
 def _scheduler(name: str) -> Any:
@@ -188,3 +181,19 @@ def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0)
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def latents(pipe: Any, prompt: str = "a cat", *, steps: int = 10, size: tuple[int, int] = (64, 64), seed: int = 0, **kwargs: Any) -> Any:
+    """Run a pipeline to its final latents (no VAE decode) with a seeded CPU generator.
+
+    >>> out = latents(tiny_sd15_pipeline(), steps=4, size=(64, 64))  # doctest: +SKIP
+    """
+    return pipe(
+        prompt,
+        num_inference_steps=steps,
+        height=size[0],
+        width=size[1],
+        output_type="latent",
+        generator=torch.Generator().manual_seed(seed),
+        **kwargs,
+    ).images

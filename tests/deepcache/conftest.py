@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("diffusers")
 
-from torchfix.testing import tiny_sd15_pipeline, tiny_sdxl_pipeline
+from torchfix.testing import latents, tiny_sd15_pipeline, tiny_sdxl_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +30,4 @@ def _no_deepcache_left(request):
 
 
 def generate(pipe, prompt="a cat", seed=0, steps=10, size=(64, 64), **kwargs):
-    return pipe(
-        prompt,
-        num_inference_steps=steps,
-        height=size[0],
-        width=size[1],
-        output_type="latent",
-        generator=torch.Generator().manual_seed(seed),
-        **kwargs,
-    ).images
+    return latents(pipe, prompt, steps=steps, size=size, seed=seed, **kwargs)
