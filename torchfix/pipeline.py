@@ -43,6 +43,7 @@ class Finding:
     problem: str
     fix: str
     applied: bool = False
+    kind: str = "dtype"  # "dtype", "device" or "model": which error an unfixed finding raises
 
     def __str__(self) -> str:
         return f"{self.component}: {self.problem} — {'fixed: ' if self.applied else 'to fix: '}{self.fix}"
@@ -146,7 +147,7 @@ class PipelineProxy(wrapt.ObjectProxy):
                 more = f" and {len(meta) - 3} more" if len(meta) > 3 else ""
                 names = ", ".join(f"{name}.{n}" for n in meta[:3])
                 fix = "load the weights (from_pretrained / load_state_dict(..., assign=True)) before running"
-                findings.append(Finding(name, f"weights on the meta device (never loaded): {names}{more}", fix))
+                findings.append(Finding(name, f"weights on the meta device (never loaded): {names}{more}", fix, kind="device"))
 
         # devices
         placed: dict[str, torch.device] = {}
@@ -162,10 +163,12 @@ class PipelineProxy(wrapt.ObjectProxy):
                 for n, d in placed.items():
                     if d != self._self_device:
                         modules[n].to(self._self_device)
-                findings.append(Finding("pipeline", f"components on different devices: {where}", f"moved to {self._self_device}", True))
+                findings.append(
+                    Finding("pipeline", f"components on different devices: {where}", f"moved to {self._self_device}", True, "device")
+                )
             else:
                 fix = "move the pipeline with pipe.to(device), or wrap(pipe, device=...)"
-                findings.append(Finding("pipeline", f"components on different devices: {where}", fix))
+                findings.append(Finding("pipeline", f"components on different devices: {where}", fix, kind="device"))
 
         # dtypes
         target = self._self_dtype or _dominant_dtype(modules)
@@ -206,10 +209,10 @@ class PipelineProxy(wrapt.ObjectProxy):
             width = sum(w for _, w in widths)
             problem = f"text encoder output width {total} = {width} does not match unet.config.cross_attention_dim={expected}"
             fix = "these components come from different models: load the text encoder(s) and UNet of one model"
-            findings.append(Finding("unet", problem, fix))
+            findings.append(Finding("unet", problem, fix, kind="model"))
         if unet.config.addition_embed_type == "text_time" and getattr(pipe, "text_encoder_2", None) is None:
             problem = "addition_embed_type='text_time' needs pooled text embeddings, but there is no text_encoder_2"
-            findings.append(Finding("unet", problem, "use an SDXL pipeline with both text encoders"))
+            findings.append(Finding("unet", problem, "use an SDXL pipeline with both text encoders", kind="model"))
         return findings
 
     def _mode(self) -> str:
@@ -265,11 +268,9 @@ class PipelineProxy(wrapt.ObjectProxy):
         if not blocking:
             return
         text = "\n".join(f"  - {f}" for f in blocking)
-        if any("meta" in f.problem or "different devices" in f.problem for f in blocking):
-            raise DeviceMismatchError(f"torchfix preflight of {type(self.__wrapped__).__name__} found:\n{text}")
-        if any("cross_attention_dim" in f.problem or "text_encoder_2" in f.problem for f in blocking):
-            raise ModelMismatchError(f"torchfix preflight of {type(self.__wrapped__).__name__} found:\n{text}")
-        raise DtypeMismatchError(f"torchfix preflight of {type(self.__wrapped__).__name__} found (mode='strict'):\n{text}")
+        kinds = {f.kind for f in blocking}
+        error = DeviceMismatchError if "device" in kinds else ModelMismatchError if "model" in kinds else DtypeMismatchError
+        raise error(f"torchfix preflight of {type(self.__wrapped__).__name__} found:\n{text}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_state()

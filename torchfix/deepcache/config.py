@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class DeepCacheConfig:
             raise ValueError(f"DeepCacheConfig.num_steps={self.num_steps!r} must be a positive int or None.")
 
 
+@functools.lru_cache(maxsize=256)
 def full_steps(total: int, config: DeepCacheConfig) -> frozenset[int]:
     """Indices (0-based UNet calls of one generation) that run the full UNet."""
     if config.interval == 1 or total <= 1:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..patches import instance
-from .config import DeepCacheConfig, full_steps
+from .config import DeepCacheConfig, is_full_step
 from .layout import Layout, analyse
 from .shallow import shallow_forward
 
@@ -67,7 +67,6 @@ class DeepCacheState:
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState] = weakref.WeakKeyDictionary()
-_SCHEDULER_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _resolve(target: Any) -> tuple[torch.nn.Module, Any]:
@@ -110,11 +109,6 @@ def stats(target: Any) -> dict[str, Any]:
     }
 
 
-@functools.lru_cache(maxsize=256)
-def _full_set(total: int, config: DeepCacheConfig) -> frozenset[int]:
-    return full_steps(total, config)
-
-
 @torch.compiler.disable
 def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool:
     """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
@@ -129,13 +123,10 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     index = state.step
     state.step += 1
     config = state.config
-    if index == 0 or state.feature is None or config.interval == 1:
-        full = True
-    elif any(kwargs.get(name) is not None for name in _FULL_ONLY):
+    if state.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
         full = True
     else:
-        total = state.total if state.total is not None else config.num_steps
-        full = index % config.interval == 0 if total is None or index >= total else index in _full_set(total, config)
+        full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
     if full:
         state.full_steps += 1
         state.capturing = True
@@ -249,9 +240,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState:
         state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False)))
     state.handles.append(instance.set_attr(unet, "forward", _make_forward(unet, state)))
     if pipe is not None:
-        hooks = _install_scheduler_hook(pipe, unet)
-        state.handles.extend(hooks)
-        _SCHEDULER_HOOKS[unet] = hooks
+        state.handles.extend(_install_scheduler_hook(pipe, unet))
     _STATES[unet] = state
     log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(unet).__name__, layout.describe(config.branch), config.interval)
     return state
@@ -266,5 +255,4 @@ def remove(target: Any) -> None:
     for handle in reversed(state.handles):
         handle.restore()
     state.handles.clear()
-    _SCHEDULER_HOOKS.pop(unet, None)
     state.reset()
