@@ -29,6 +29,7 @@ from .config import Settings
 from .deepcache import DeepCacheConfig
 from .devices import canonical
 from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError
+from .guards.dtype import kept_in_fp32
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
 
@@ -61,11 +62,6 @@ def _has_accelerate_hook(module: torch.nn.Module) -> bool:
     return any(hasattr(m, "_hf_hook") for m in module.modules())
 
 
-def _kept_names(model: torch.nn.Module) -> tuple[str, ...]:
-    names = getattr(model, "_keep_in_fp32_modules", None) or ()
-    return tuple(names)
-
-
 def _layerwise_cast(module: torch.nn.Module) -> bool:
     registry = getattr(module, "_diffusers_hook", None)
     hooks = getattr(registry, "hooks", None) or getattr(registry, "_hooks", None) or {}
@@ -83,7 +79,6 @@ def _dominant_dtype(modules: dict[str, torch.nn.Module]) -> torch.dtype | None:
 
 def _stray_dtype(name: str, model: torch.nn.Module, target: torch.dtype) -> Iterator[tuple[str, torch.nn.Module, torch.dtype, str | None]]:
     """Submodules whose own parameters are floating and not ``target``; with the reason to keep each, if any."""
-    kept = _kept_names(model)
     force_upcast = bool(getattr(getattr(model, "config", None), "force_upcast", False))
     for path, sub in model.named_modules():
         own = [p for p in sub.parameters(recurse=False) if p.is_floating_point()]
@@ -92,7 +87,7 @@ def _stray_dtype(name: str, model: torch.nn.Module, target: torch.dtype) -> Iter
             continue
         dtype = next(iter(dtypes - {target}))
         reason = None
-        if kept and any(k in path.split(".") for k in kept) and dtype == torch.float32:
+        if dtype == torch.float32 and kept_in_fp32(model, path):
             reason = f"listed in {type(model).__name__}._keep_in_fp32_modules"
         elif force_upcast and dtype == torch.float32:
             reason = "the VAE's config.force_upcast keeps it in float32 for decoding"

@@ -114,11 +114,10 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
     signature = (tuple(sample.shape), sample.dtype, sample.device)
     if state.pending_new_call or prompt is not state.prompt or signature != state.signature:
+        state.reset()
         state.pending_new_call = False
-        state.feature = None
         state.prompt = prompt
         state.signature = signature
-        state.step = 0
         state.generations += 1
     index = state.step
     state.step += 1

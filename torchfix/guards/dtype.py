@@ -32,7 +32,7 @@ import torch
 from .ops import PARAM_ROLES
 from .plan import Action, Finding, Operand
 
-__all__ = ["decide", "torch_accepts"]
+__all__ = ["decide", "kept_in_fp32", "torch_accepts"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -56,6 +56,20 @@ def torch_accepts(kind: str, operands: Sequence[Operand]) -> bool:
         # A boolean mask is fine; a float mask must match the query like key and value.
         return len({o.dtype for o in floats}) <= 1
     return False
+
+
+def kept_in_fp32(model: object, path: str) -> bool:
+    """Whether the submodule at dotted ``path`` of ``model`` is listed in the model's
+    ``_keep_in_fp32_modules`` (the diffusers/transformers rule: a listed name is one
+    component of the path).
+
+    >>> class M: _keep_in_fp32_modules = ["proj"]
+    >>> kept_in_fp32(M(), "encoder.proj"), kept_in_fp32(M(), "encoder.projection")
+    (True, False)
+    """
+    names = getattr(model, "_keep_in_fp32_modules", None) or ()
+    parts = path.split(".")
+    return any(n in parts for n in names)
 
 
 def _describe(floats: Sequence[Operand]) -> str:

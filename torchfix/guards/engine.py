@@ -73,14 +73,10 @@ def is_kept(weight: torch.Tensor | None, chain: Sequence[torch.nn.Module]) -> bo
     if not chain or weight.dtype != torch.float32:
         return False
     # diffusers/transformers name fp32-kept submodules on the model class.
-    for root in reversed(chain):
-        names = getattr(root, "_keep_in_fp32_modules", None)
-        if names:
-            path = _frames.module_path([chain[0], root]) or ""
-            parts = path.split(".")
-            if any(n in parts for n in names):
-                return True
-    return False
+    return any(
+        getattr(root, "_keep_in_fp32_modules", None) and dtype_guard.kept_in_fp32(root, _frames.module_path([chain[0], root]) or "")
+        for root in reversed(chain)
+    )
 
 
 # --- binding -----------------------------------------------------------------------------
