@@ -19,10 +19,10 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/run_all.py
+	$(BIN)/torchfix demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check torchfix tests benchmarks examples
+	$(BIN)/ruff check torchfix torchfix_pytest.py tests benchmarks examples
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q tests
@@ -30,6 +30,7 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/guard_overhead.py
 	$(BIN)/python benchmarks/deepcache.py
+	$(BIN)/python benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

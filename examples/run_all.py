@@ -1,6 +1,6 @@
 """Run every example as its own process; exit 0 only if all of them succeed.
 
-This is `make demo` until the `torchfix demo` command lands.
+`make demo` runs `torchfix demo` (the incidents side by side); this runs the example scripts.
 """
 
 import os

@@ -10,9 +10,10 @@ and resolution problems just work, and says what it fixed.
 False
 """
 
-from . import deepcache, devices
+from . import deepcache, devices, kernels
 from ._report import FixEvent, Report, report
 from ._state import Status, current, disable, enable, enabled, is_enabled, status
+from .audit import AuditFinding, AuditReport, audit
 from .config import Settings, env_mode
 from .deepcache import DeepCacheConfig
 from .errors import (
@@ -32,6 +33,8 @@ from .pipeline import PipelineProxy, wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditFinding",
+    "AuditReport",
     "DeepCacheConfig",
     "DeviceMismatchError",
     "DtypeMismatchError",
@@ -47,6 +50,7 @@ __all__ = [
     "TorchfixWarning",
     "__version__",
     "add_known_issue",
+    "audit",
     "current",
     "deepcache",
     "devices",
@@ -55,6 +59,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "keep_dtype",
+    "kernels",
     "remove_known_issue",
     "report",
     "status",

@@ -13,53 +13,9 @@ from hypothesis import strategies as st
 
 import torchfix
 
+from ..strategies import FLOATS, _batch, dims, matmul_args, tensor
+
 MODES = ("off", "fix", "warn", "strict")
-FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-dims = st.integers(1, 5)
-
-
-@st.composite
-def tensor(draw, shape, dtype):
-    """A tensor of ``shape`` with a random layout: contiguous, transposed, stepped, expanded or permuted."""
-    shape = tuple(shape)
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    layouts = ["contiguous", "stepped"]
-    if len(shape) >= 2:
-        layouts.append("transposed")
-    if len(shape) >= 1 and shape[0] > 1:
-        layouts.append("expanded")
-    if len(shape) >= 3:
-        layouts.append("permuted")
-    layout = draw(st.sampled_from(layouts))
-
-    def randn(s):
-        return torch.randn(s, generator=gen).to(dtype)
-
-    if layout == "transposed":
-        return randn((*shape[:-2], shape[-1], shape[-2])).transpose(-1, -2)
-    if layout == "stepped":
-        return randn((*shape[:-1], shape[-1] * 2))[..., ::2] if shape else randn(shape)
-    if layout == "expanded":
-        return randn((1, *shape[1:])).expand(shape)
-    if layout == "permuted":
-        perm = draw(st.permutations(range(len(shape))))
-        inv = [perm.index(i) for i in range(len(shape))]
-        return randn(tuple(shape[p] for p in perm)).permute(*inv)
-    return randn(shape)
-
-
-def _batch(draw, n):
-    return tuple(draw(st.lists(st.integers(1, 3), min_size=n, max_size=n)))
-
-
-@st.composite
-def matmul_args(draw, dtype):
-    n, k, m = draw(dims), draw(dims), draw(dims)
-    ba = _batch(draw, draw(st.integers(0, 2)))
-    bb = tuple(1 if draw(st.booleans()) else d for d in ba)  # broadcasting
-    a_shape = draw(st.sampled_from([(*ba, n, k), (k,)])) if ba else draw(st.sampled_from([(n, k), (k,)]))
-    b_shape = draw(st.sampled_from([(*bb, k, m), (k,)]))
-    return draw(tensor(a_shape, dtype)), draw(tensor(b_shape, dtype))
 
 
 def _cases():

@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
-from .. import _frames
+from .. import _frames, kernels
 from .._report import FixEvent, report
-from ..config import Settings
+from ..config import Settings, env_kernels_disabled
 from ..errors import DeviceMismatchError, DtypeMismatchError, LayoutError, TorchfixError, TorchfixWarning
+from ..kernels import routing as kernel_routing
 from . import device as device_guard
 from . import dtype as dtype_guard
 from . import known_issues as ki
+from . import routing
 from . import stride as stride_guard
 from .messages import action_text, error_message
 from .ops import OpSpec
@@ -200,9 +202,13 @@ def _apply(bound: _Bound, action: Action) -> None:
             new = t.float()
         elif kind == "cpu":
             new = t.cpu()
-        else:  # contiguous; "kernel" copies too until torch.ops.torchfix routing lands
+        else:  # contiguous; a "kernel" row that could not be routed copies too
             new = t.contiguous()
-    else:  # cast / upcast / promote to a dtype, or move to a device
+    elif isinstance(action.to, torch.dtype):  # cast / upcast / promote
+        # aten._to_copy, not Tensor.to: the same result, and in an exported graph it marks
+        # the casts torchfix inserted apart from the model's own .to() calls (torchfix.audit reads that).
+        new = torch.ops.aten._to_copy.default(t, dtype=action.to)
+    else:  # move to a device
         new = t.to(action.to)
     bound.replace(action.operand, new)
 
@@ -220,8 +226,17 @@ def _stride_post(finding: Finding, before: Mapping[str, torch.Tensor]) -> Callab
     return None
 
 
-def _record(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], site: str, module: str | None) -> None:
-    changes = ", ".join(action_text(a, before) for a in finding.actions)
+def _record(
+    spec: OpSpec,
+    settings: Settings,
+    finding: Finding,
+    before: Mapping[str, torch.Tensor],
+    site: str,
+    module: str | None,
+    changes: str | None = None,
+) -> None:
+    if changes is None:
+        changes = ", ".join(action_text(a, before) for a in finding.actions)
     detail = f"{finding.problem} → {changes}" + (f" ({finding.note})" if finding.note else "")
     action = finding.actions[0].action
     report().add(FixEvent(spec.name, finding.guard, action, site, module, detail))
@@ -247,6 +262,79 @@ def _raise(
         log.debug("torchfix: %s predicted a torch error that did not happen; returning torch's result", spec.name)
         return result
     raise err
+
+
+# --- routing to torch.ops.torchfix.matmul -----------------------------------------------
+
+
+@torch._dynamo.assume_constant_result
+def _kernels_enabled() -> bool:
+    return not env_kernels_disabled()
+
+
+@torch._dynamo.assume_constant_result
+def _kernel_available(device_type: str) -> bool:
+    return kernels.available_for(device_type)
+
+
+_missing_warned: set[str] = set()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _warn_missing(device_type: str) -> None:
+    with _warned_lock:
+        if device_type in _missing_warned:
+            return
+        _missing_warned.add(device_type)
+    what = "Triton is not installed (pip install 'torchfix[triton]')" if device_type == "cuda" else "the Metal kernel is unavailable"
+    warnings.warn(
+        f"torchfix: {what}; mixed-dtype and strided matmuls on {device_type} are cast/copied instead of read in place.",
+        TorchfixWarning,
+        stacklevel=4,
+    )
+
+
+def _try_kernel(
+    spec: OpSpec, settings: Settings, findings: list[Finding], bound: _Bound, chain: list[torch.nn.Module] | None, compiling: bool
+) -> Any:
+    """Run the call through torch.ops.torchfix.matmul when the routing policy says so;
+    :data:`kernels.routing.NOT_ROUTED` otherwise."""
+    moves = next((f for f in findings if f.guard == "device"), None)
+    device_type = moves.actions[0].to.type if moves is not None else next(iter(bound.tensors.values())).device.type
+    decision = routing.decide(
+        spec.kind, device_type, findings, enabled=_kernels_enabled(), available=_kernel_available(device_type)
+    )
+    if decision.missing and not compiling:
+        _warn_missing(device_type)
+    if not decision.route:
+        return kernel_routing.NOT_ROUTED
+    before = dict(bound.tensors)
+    if moves is not None:
+        for action in moves.actions:
+            _apply(bound, action)
+    casts = next((f for f in findings if f.guard == "dtype"), None)
+    if casts is not None:
+        out_dtype = casts.actions[0].to
+    else:
+        out_dtype = next(t.dtype for t in bound.tensors.values() if t.is_floating_point())
+    result = kernel_routing.call(spec, tuple(bound.args), bound.kwargs, out_dtype)
+    if result is kernel_routing.NOT_ROUTED or compiling:
+        return result
+    if chain is None:
+        chain = _frames.module_chain(2)
+    site, module = _frames.call_site(2), _frames.module_path(chain)
+    for f in findings:
+        if f.guard == "device":
+            _record(spec, settings, f, before, site, module)
+            continue
+        reads = ", ".join(f"{n} {_dtype_name(t.dtype)}{'' if t.is_contiguous() else ' (strided)'}" for n, t in before.items())
+        kernel = Finding(f.guard, f.problem, f.fix, (Action(f.guard, "kernel", "", out_dtype),), f.torch_raises, f.note)
+        detail = f"torch.ops.torchfix.matmul reads {reads} in place, out {_dtype_name(out_dtype)}"
+        _record(spec, settings, kernel, before, site, module, detail)
+    return result
 
 
 def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, args: tuple, kwargs: dict) -> Any:
@@ -283,6 +371,12 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             findings.append(f)
     if not findings:
         return orig(*args, **kwargs)
+
+    if settings.mode != "strict" and spec.kind in routing.ROUTED_KINDS and all(f.actions for f in findings):
+        routed = _try_kernel(spec, settings, findings, bound, chain, compiling)
+        if routed is not kernel_routing.NOT_ROUTED:
+            return routed
+        bound = _Bound(spec, args, kwargs)  # undo device moves made before a fallback
 
     post: list[Callable[[Any], Any]] = []
     for finding in findings:

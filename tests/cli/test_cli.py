@@ -1,0 +1,126 @@
+"""The torchfix command, through subprocesses: exit codes and output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def torchfix(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}
+    return subprocess.run([sys.executable, "-m", "torchfix", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+MIXED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    out = model(torch.randn(2, 8))
+    print("OUT", out.dtype, sys.argv[1:])
+    """
+)
+
+
+def test_console_script_is_installed():
+    assert (BIN / "torchfix").exists()
+    r = subprocess.run([str(BIN / "torchfix"), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and all(c in r.stdout for c in ("demo", "run", "doctor", "audit"))
+
+
+def test_run_makes_a_crashing_script_work_and_prints_the_report(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(MIXED)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert plain.returncode != 0 and "dtype" in plain.stderr
+    r = torchfix("run", str(script), "--lr", "1")
+    assert r.returncode == 0, r.stderr
+    assert "OUT torch.float32 ['--lr', '1']" in r.stdout
+    assert "F.linear" in r.stderr and "cast" in r.stderr and "crash.py:5" in r.stderr
+
+
+def test_run_keeps_the_scripts_exit_code_and_errors(tmp_path):
+    (tmp_path / "exit3.py").write_text("import sys\nsys.exit(3)\n")
+    assert torchfix("run", str(tmp_path / "exit3.py")).returncode == 3
+    (tmp_path / "boom.py").write_text("raise ValueError('from the user script')\n")
+    r = torchfix("run", str(tmp_path / "boom.py"))
+    assert r.returncode == 1 and "ValueError: from the user script" in r.stderr and "Traceback" in r.stderr
+    assert "torchfix: nothing was fixed." in r.stderr
+
+
+def test_run_strict_fails_naming_the_site(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(MIXED)
+    r = torchfix("run", "--mode", "strict", str(script))
+    assert r.returncode == 1 and "DtypeMismatchError" in r.stderr and "crash.py:5" in r.stderr
+
+
+def test_run_module(tmp_path):
+    (tmp_path / "mixedmod.py").write_text(MIXED)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}
+    env["PYTHONPATH"] = str(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "torchfix", "run", "-m", "mixedmod", "a", "--b"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert "OUT torch.float32 ['a', '--b']" in r.stdout
+
+
+def test_run_without_a_target():
+    assert torchfix("run").returncode == 2
+
+
+def test_doctor():
+    r = torchfix("doctor")
+    assert r.returncode == 0, r.stderr
+    for needle in ("torch ", "diffusers", "transformers", "triton", "torch-mlir", "devices", "kernels", "UNRUN", "pytorch/pytorch#78511"):
+        assert needle in r.stdout, needle
+
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+
+    def stray():
+        model = torch.nn.Sequential()
+        model.add_module("encoder", torch.nn.Linear(8, 8))
+        model.add_module("head", torch.nn.Linear(8, 4).half())
+        return model, (torch.randn(2, 8),)
+
+    def clean():
+        return torch.nn.Linear(8, 4), torch.randn(2, 8)
+
+    def not_a_pair():
+        return 3
+    """
+)
+
+
+def test_audit_command(tmp_path):
+    pytest.importorskip("torch_mlir")
+    (tmp_path / "factories.py").write_text(FACTORY)
+    r = torchfix("audit", "factories:stray", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert "head" in r.stdout and "aten.linear" in r.stdout and "mixed-dtype" in r.stdout
+    r = torchfix("audit", "factories:clean", "--ir", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "no hazards found" in r.stdout and "!torch.vtensor<[2,8],f32>" in r.stdout
+    assert torchfix("audit", "factories:not_a_pair", cwd=tmp_path).returncode == 2
+    assert torchfix("audit", "factories", cwd=tmp_path).returncode == 2
+    assert torchfix("audit", "nosuchmodule:f", cwd=tmp_path).returncode == 2
+
+
+def test_demo_quick_fixes_every_incident():
+    r = torchfix("demo", "--quick")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5/5 incidents fixed" in r.stdout
+    for needle in ("mat1 and mat2 shapes cannot be multiplied", "expected m1 and m2 to have the same dtype", "ModelMismatchError",
+                   "DeviceMismatchError", "faster"):  # fmt: skip
+        assert needle in r.stdout, needle

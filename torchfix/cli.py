@@ -1,0 +1,223 @@
+"""The ``torchfix`` command (also ``python -m torchfix``).
+
+    torchfix demo                       the five incidents, plain vs torchfix, and DeepCache at 720x960
+    torchfix run [--mode M] SCRIPT [ARGS...]   run an unmodified script with the guards on
+    torchfix run [--mode M] -m MODULE [ARGS...]
+    torchfix doctor                     versions, devices, kernels, known issues in force here
+    torchfix audit package.module:factory [--backend mps] [--torch-version V]
+
+>>> from torchfix.cli import build_parser
+>>> build_parser().parse_args(["run", "--mode", "warn", "train.py", "--lr", "1"]).script
+'train.py'
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import os
+import platform
+import runpy
+import sys
+import traceback
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+_PACKAGES = ("torch", "diffusers", "transformers", "triton", "torch-mlir", "wrapt", "accelerate")
+
+
+def _version(name: str) -> str:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a script or module as ``__main__`` with the guards on; print the report at exit."""
+    import torchfix
+
+    if args.module is None and args.script is None:
+        print("torchfix run: give a SCRIPT or -m MODULE", file=sys.stderr)
+        return 2
+    os.environ["TORCHFIX_MODE"] = args.mode  # child processes that import torchfix follow it
+    torchfix.disable()
+    torchfix.enable(args.mode)
+    target = args.script if args.module is None else args.module
+    sys.argv = [target, *args.args]
+    code = 0
+    try:
+        if args.module is not None:
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        else:
+            if not os.path.exists(args.script):
+                print(f"torchfix run: no such script: {args.script}", file=sys.stderr)
+                return 2
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+            runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as exc:  # the script's own exit code is kept
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # the script's error is shown as Python would, never swallowed
+        traceback.print_exc()
+        code = 1
+    finally:
+        print(f"\n{torchfix.report().summary()}", file=sys.stderr)
+    return code
+
+
+# --- doctor ----------------------------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Versions, devices, kernels and known-issue rows in force, as plain text."""
+    import torch
+
+    import torchfix
+    from torchfix.guards import known_issues as ki
+
+    print(f"torchfix {torchfix.__version__} on Python {platform.python_version()} ({platform.system()} {platform.release()})")
+    print("\npackages")
+    for name in _PACKAGES:
+        print(f"  {name:13s} {_version(name)}")
+    print("\ndevices")
+    print(f"  cpu           yes ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})")
+    if torch.cuda.is_available():
+        names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
+        print(f"  cuda          yes: {names}")
+    else:
+        print(f"  cuda          no (torch built {'with' if torch.version.cuda else 'without'} CUDA)")
+    print(f"  mps           {'yes' if torch.backends.mps.is_available() else 'no'}")
+    print("\nkernels (torch.ops.torchfix.matmul)")
+    for b in torchfix.kernels.backends():
+        state = "usable" if b.usable else "not usable here"
+        print(f"  {b.device_type:5s} {b.impl:58s} registered={'yes' if b.registered else 'NO'}  {state}")
+        print(f"        {b.note}")
+    if os.environ.get("TORCHFIX_DISABLE_KERNELS"):
+        print("  routing to the kernels is OFF (TORCHFIX_DISABLE_KERNELS is set)")
+    print(f"\nknown issues (torch {ki.TORCH_VERSION}, macOS {ki.OS_VERSION or '-'})")
+    usable = {"cpu"} | ({"cuda"} if torch.cuda.is_available() else set()) | ({"mps"} if torch.backends.mps.is_available() else set())
+    for e in ki.entries():
+        in_force = e.applies_to(e.device_type, ki.TORCH_VERSION, ki.OS_VERSION)
+        if not in_force:
+            here = "not for this torch"
+        else:
+            here = "IN FORCE HERE" if e.device_type in usable else "in force, device absent"
+        span = f"torch {e.torch_min or '*'}..{e.torch_max or 'open'}"
+        print(f"  {e.device_type:4s} {e.issue:24s} {','.join(e.ops):22s} {e.workaround:10s} {span:20s} {here}")
+    print(f"\nmode from TORCHFIX_MODE: {os.environ.get('TORCHFIX_MODE', 'fix (default)')}")
+    return 0
+
+
+# --- audit -------------------------------------------------------------------------------------------
+
+
+def _load_factory(target: str):
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"torchfix audit: TARGET must look like package.module:factory, not {target!r}")
+    sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"torchfix audit: {module_name} has no attribute {attr!r}") from None
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Audit ``factory() -> (model, example_inputs)``; exit 1 when hazards are found."""
+    import torchfix
+    from torchfix.audit import AuditError
+
+    try:
+        import torch_mlir  # noqa: F401
+    except ImportError:
+        print("torchfix audit needs torch-mlir, the `audit` extra: pip install 'torchfix[audit]'", file=sys.stderr)
+        return 2
+    try:
+        factory = _load_factory(args.target)
+    except (ValueError, ImportError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        print(f"torchfix audit: {args.target}() must return (model, example_inputs), got {type(made).__name__}", file=sys.stderr)
+        return 2
+    model, inputs = made
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    try:
+        report = torchfix.audit(model, *inputs, backend=args.backend, torch_version=args.torch_version)
+    except AuditError as exc:
+        print(f"{exc}\ncaused by: {exc.__cause__!r}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    if args.ir:
+        print(report.ir)
+    return 1 if report.findings else 0
+
+
+# --- demo ----------------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job: every incident plain vs torchfix, then the DeepCache speedup."""
+    try:
+        from torchfix import demo
+    except ImportError as exc:
+        print(f"torchfix demo needs diffusers and transformers: pip install 'torchfix[diffusers]' ({exc})", file=sys.stderr)
+        return 2
+    return demo.main(quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``torchfix`` command."""
+    parser = argparse.ArgumentParser(prog="torchfix", description="Make diffusion scripts that break on dtype/device/layout just work.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="the five incidents, plain torch vs torchfix, and the DeepCache speedup")
+    demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests); the full demo is a few minutes on 2 cores")
+    demo.set_defaults(fn=cmd_demo)
+    run = sub.add_parser("run", help="run an unmodified script or module with the guards on")
+    run.add_argument("--mode", choices=("fix", "warn", "strict"), default="fix")
+    run.add_argument("-m", dest="module", help="run a module as a script, like python -m")
+    run.add_argument("script", nargs="?", help="the script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(fn=cmd_run)
+    doctor = sub.add_parser("doctor", help="versions, devices, kernels and known issues in force here")
+    doctor.set_defaults(fn=cmd_doctor)
+    aud = sub.add_parser("audit", help="static audit of factory() -> (model, example_inputs) through torch-mlir")
+    aud.add_argument("target", help="package.module:factory")
+    aud.add_argument("--backend", help="device type whose known-issue rows to check, e.g. mps")
+    aud.add_argument("--torch-version", help="check rows against this torch version (default: the installed one)")
+    aud.add_argument("--ir", action="store_true", help="also print the torch-dialect IR")
+    aud.set_defaults(fn=cmd_audit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``torchfix`` console script.
+
+    >>> main(["doctor"])  # doctest: +SKIP
+    0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "run" and "-m" in argv[1:]:
+        # `run [--mode M] -m MODULE ARGS...`: everything after MODULE belongs to it
+        i = argv.index("-m", 1)
+        head, module, rest = argv[: i + 2], argv[i + 1 : i + 2], argv[i + 2 :]
+        args = parser.parse_args(head)
+        args.module = module[0] if module else None
+        args.script, args.args = None, rest
+    else:
+        args = parser.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

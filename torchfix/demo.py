@@ -1,0 +1,329 @@
+"""``torchfix demo``: the five incidents torchfix exists for, each run plainly and
+then with torchfix, and the DeepCache speedup at 720x960.
+
+Offline: tiny SD1.5-like and SDXL-like diffusers pipelines with random weights
+(:mod:`torchfix.testing`). Exit code 0 only if every incident is fixed.
+
+>>> from torchfix import demo
+>>> outcome = demo.strides(quick=True)      # doctest: +SKIP
+>>> outcome.fixed                           # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import torchfix
+from torchfix import testing
+from torchfix.guards import known_issues as ki
+
+__all__ = ["Outcome", "devices", "main", "mixed_precision", "resolution", "speedup", "strides", "switching"]
+
+
+@dataclass
+class Outcome:
+    """One incident: what plain torch did, what torchfix did, and whether it is fixed."""
+
+    incident: str
+    plain: str
+    torchfix: str
+    fixed: bool
+    seconds: float = 0.0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _copied_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes ``fn`` allocates beyond its result (copies of operands), from the profiler."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+    return max(allocated - out.numel() * out.element_size(), 0)
+
+
+def _bars(pipe: object, desc: str, show: bool) -> None:
+    pipe.set_progress_bar_config(desc=desc, leave=False, disable=not show)
+
+
+# --- 1. strides --------------------------------------------------------------------------------------
+
+
+def strides(quick: bool = False) -> Outcome:
+    """``[1,1,4096,4096] @ [1,1,4096,512]`` with a transposed (non-contiguous) rhs view."""
+    n = 1024 if quick else 4096
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 1, n, n, generator=g)
+    b = torch.randn(1, 1, 512, n, generator=g).transpose(-1, -2)
+    rows = ki.matching("matmul", {"input": a, "other": b}, device_type="mps", torch_version="1.12.1", os_version="13.0")
+    quick_fix = _copied_bytes(lambda: torch.matmul(a, b.contiguous()))
+    plain = (
+        f"correct on this CPU, but MPS returned wrong values for this layout ({', '.join(e.issue for e, _ in rows)}); "
+        f"the usual fix b.contiguous() copies {quick_fix / 2**20:.1f} MiB per call"
+    )
+    ours = torch.ops.torchfix.matmul(a, b)
+    copied = _copied_bytes(lambda: torch.ops.torchfix.matmul(a, b))
+    err = _rel_l2(ours, a.double() @ b.double())
+    text = f"torch.ops.torchfix.matmul reads the strides: {copied / 2**20:.1f} MiB copied, rel err vs float64 {err:.1e}"
+    return Outcome("1 strides: [1,1,N,N] @ transposed [1,1,N,512]", plain, text, copied == 0 and err < 1e-5)
+
+
+# --- 2. resolution -----------------------------------------------------------------------------------------
+
+
+def resolution(quick: bool = False, show: bool = True) -> Outcome:
+    """DeepCache at 720x960 (45-row latents one level down: OneDiff's concat of 45 vs 46 rows), then
+    img2img at another size on the same UNet (DeepCache 0.1.1 keeps its step count: issue #54)."""
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    big, small = ((360, 480), (184, 248)) if quick else ((720, 960), (360, 480))
+    steps = 6 if quick else 10
+    pipe = testing.tiny_sdxl_pipeline()
+    img2img = StableDiffusionXLImg2ImgPipeline(**pipe.components)
+    image = torch.rand(1, 3, *big, generator=torch.Generator().manual_seed(1))
+
+    def txt2img() -> torch.Tensor:
+        return testing.latents(pipe, steps=steps, size=small)
+
+    def i2i() -> torch.Tensor:
+        return testing.latents(img2img, steps=steps, size=big, image=image, strength=0.5)
+
+    for p, name in ((pipe, "txt2img"), (img2img, "img2img")):
+        _bars(p, f"{name} (no cache)", show)
+    ref_small, ref_big = txt2img(), i2i()
+    plain = "DeepCache 0.1.1 not installed: plain run skipped"
+    try:
+        from DeepCache import DeepCacheSDHelper
+    except ImportError:
+        DeepCacheSDHelper = None
+    if DeepCacheSDHelper is not None:
+        helper = DeepCacheSDHelper(pipe=pipe)
+        helper.set_params(cache_interval=3, cache_branch_id=0)
+        helper.enable()
+        for p, name in ((pipe, "txt2img"), (img2img, "img2img")):
+            _bars(p, f"{name} DeepCache 0.1.1", show)
+        try:
+            txt2img()
+            out = i2i()
+            plain = f"DeepCache 0.1.1: img2img after txt2img ran, rel-L2 vs no cache {_rel_l2(out, ref_big):.3f}"
+        except Exception as exc:  # the failure is the point of the demo; it is shown, not hidden
+            plain = f"DeepCache 0.1.1, txt2img {small[0]}x{small[1]} then img2img {big[0]}x{big[1]}: {_first_line(exc)[:100]}"
+        finally:
+            helper.disable()
+    torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=3, branch=0))
+    for p, name in ((pipe, "txt2img"), (img2img, "img2img")):
+        _bars(p, f"{name} torchfix DeepCache", show)
+    try:
+        errs = {small: _rel_l2(txt2img(), ref_small), big: _rel_l2(i2i(), ref_big)}
+    finally:
+        torchfix.deepcache.remove(pipe)
+    kinds = ("txt2img", "img2img")
+    text = "; ".join(f"{s[0]}x{s[1]} {kind} runs (rel-L2 vs no cache {e:.3f})" for (s, e), kind in zip(errs.items(), kinds))
+    ok = all(e < 0.15 for e in errs.values())
+    return Outcome(f"2 resolution: DeepCache txt2img {small[0]}x{small[1]}, then img2img {big[0]}x{big[1]}", plain, text, ok)
+
+
+# --- 3. switching -------------------------------------------------------------------------------------------
+
+
+def switching(quick: bool = False, show: bool = True) -> Outcome:
+    """SD1.5 given SDXL-made embeddings; then SD1.5 -> SDXL -> SD1.5 in one process."""
+    steps = 4 if quick else 6
+    sdxl = testing.tiny_sdxl_pipeline()
+    sd15 = testing.tiny_sd15_pipeline()
+    for p in (sdxl, sd15):
+        _bars(p, type(p).__name__, show)
+    embeds, negative, _, _ = sdxl.encode_prompt("a cat", do_classifier_free_guidance=True)
+    kw = dict(num_inference_steps=steps, height=64, width=64, output_type="latent")
+    try:
+        sd15(prompt_embeds=embeds, negative_prompt_embeds=negative, **kw)
+        plain = "ran with another model's embeddings (no error)"
+    except RuntimeError as exc:
+        plain = f"SDXL embeddings reach the SD1.5 UNet mid-run: {_first_line(exc)}"
+    w = torchfix.wrap(sd15)
+    refused = ""
+    try:
+        w(prompt_embeds=embeds, negative_prompt_embeds=negative, **kw)
+    except torchfix.ModelMismatchError:
+        refused = "refused before running (ModelMismatchError)"
+    first = testing.latents(w, steps=steps)
+    w.unwrap()
+    outs = []
+    for pipe in (sdxl, testing.tiny_sd15_pipeline()):
+        _bars(pipe, type(pipe).__name__, show)
+        w = torchfix.wrap(pipe)
+        outs.append(testing.latents(w, steps=steps))
+        w.unwrap()
+    same = torch.equal(outs[-1], first)
+    text = f"{refused or 'NOT refused'}; SD1.5 -> SDXL -> SD1.5 ran, last SD1.5 bit-identical to the first: {same}"
+    return Outcome("3 switching: SD1.5 with SDXL embeddings; SD1.5 -> SDXL -> SD1.5", plain, text, bool(refused) and same)
+
+
+# --- 4. mixed precision --------------------------------------------------------------------------------------
+
+
+def mixed_precision(quick: bool = False, show: bool = True) -> Outcome:
+    """A bf16 SDXL-like pipeline whose ``text_encoder_2.text_projection`` stayed fp16."""
+    pipe = testing.tiny_sdxl_pipeline().to(torch.bfloat16)
+    pipe.text_encoder_2.text_projection.to(torch.float16)
+    _bars(pipe, "bf16 pipeline", show)
+    steps = 3 if quick else 4
+    try:
+        testing.latents(pipe, steps=steps)
+        plain = "ran (no error)"
+    except RuntimeError as exc:
+        plain = _first_line(exc)
+    torchfix.report().clear()
+    with torchfix.enabled("fix"):
+        out = testing.latents(pipe, steps=steps)
+    modules = sorted({e.module or "?" for e in torchfix.report().events if e.guard == "dtype" and e.op == "F.linear"})
+    w = torchfix.wrap(pipe)
+    findings = [f"{f.component}: {f.fix}" for f in w.preflight() if "text_projection" in f.component]
+    w.unwrap()
+    ok = bool(torch.isfinite(out.float()).all()) and any("text_projection" in m for m in modules)
+    text = f"import torchfix: runs, casts per call in {', '.join(modules)}; torchfix.wrap instead: {'; '.join(findings)}"
+    return Outcome("4 mixed precision: bf16 pipeline, fp16 text_projection", plain, text, ok)
+
+
+# --- 5. devices ------------------------------------------------------------------------------------------------
+
+
+def devices(quick: bool = False, show: bool = True) -> Outcome:
+    """A text-encoder weight left on ``meta`` next to CPU tensors; and cpu vs cpu:0."""
+    pipe = testing.tiny_sd15_pipeline()
+    _bars(pipe, "meta weight", show)
+    name = next(n for n, m in pipe.text_encoder.named_modules() if n.endswith("layers.0.mlp.fc2"))
+    fc2 = pipe.text_encoder.get_submodule(name)
+    fc2.weight = torch.nn.Parameter(torch.empty_like(fc2.weight, device="meta"))  # never loaded
+    x = torch.randn(2, fc2.in_features)
+    out = F.linear(x, fc2.weight)
+    same_plain = torch.device("cpu") == torch.device("cpu", 0)
+    try:
+        testing.latents(pipe, steps=2)
+        ran = "the pipeline ran to the end on it, no error"
+    except RuntimeError as exc:
+        ran = f"the pipeline failed later: {_first_line(exc)[:60]}"
+    plain = f"F.linear(cpu, meta weight) returned a {out.device} tensor of garbage; {ran}; torch.device('cpu') == 'cpu:0' is {same_plain}"
+    named = ""
+    with torchfix.enabled("fix"):
+        try:
+            testing.latents(pipe, steps=2)
+        except torchfix.DeviceMismatchError as exc:
+            named = name if name in str(exc) else ""
+    same = torchfix.devices.same("cpu", "cpu:0")
+    text = f"DeviceMismatchError before the op runs, naming {named or '(no module!)'}; torchfix.devices.same('cpu', 'cpu:0') is {same}"
+    return Outcome("5 devices: a weight left on meta; two handles to one device", plain, text, bool(named) and same)
+
+
+# --- DeepCache speedup ---------------------------------------------------------------------------------------------
+
+
+def speedup(quick: bool = False, show: bool = True, kind: str = "sdxl") -> Outcome:
+    """Plain vs torchfix DeepCache (interval 3, branch 0) at 720x960, 10 steps, on the
+    SDXL-like (``kind="sdxl"``) or SD1.5-like (``"sd15"``) tiny pipeline."""
+    size = (360, 480) if quick else (720, 960)
+    steps = 6 if quick else 10
+    pipe = testing.tiny_sdxl_pipeline() if kind == "sdxl" else testing.tiny_sd15_pipeline()
+    _bars(pipe, f"plain {size[0]}x{size[1]}", show)
+    testing.latents(pipe, steps=2, size=size)  # warm-up
+    start = time.perf_counter()
+    ref = testing.latents(pipe, steps=steps, size=size)
+    plain_s = time.perf_counter() - start
+    torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=3, branch=0))
+    _bars(pipe, f"DeepCache {size[0]}x{size[1]}", show)
+    try:
+        start = time.perf_counter()
+        out = testing.latents(pipe, steps=steps, size=size)
+        cached_s = time.perf_counter() - start
+    finally:
+        torchfix.deepcache.remove(pipe)
+    ratio = plain_s / cached_s
+    return Outcome(
+        f"DeepCache speedup, {'SDXL' if kind == 'sdxl' else 'SD1.5'}-like at {size[0]}x{size[1]}, {steps} steps",
+        f"{plain_s:.1f} s",
+        f"{cached_s:.1f} s: {ratio:.2f}x faster, rel-L2 vs plain {_rel_l2(out, ref):.3f}",
+        True,
+    )
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep diffusers'/transformers' own chatter (warnings, info logs) out of the demo's output."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    levels = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    transformers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        diffusers_logging.set_verbosity(levels[0])
+        transformers_logging.set_verbosity(levels[1])
+
+
+def _table(outcomes: list[Outcome]) -> str:
+    lines = []
+    for o in outcomes:
+        status = "FIXED" if o.fixed else "NOT FIXED"
+        if o.incident.startswith("DeepCache"):
+            status = "shown"
+        lines.append(f"{status:9s}  {o.incident}  ({o.seconds:.0f} s)\n           plain:    {o.plain}\n           torchfix: {o.torchfix}")
+    return "\n".join(lines)
+
+
+def main(quick: bool = False, show: bool | None = None) -> int:
+    """Run every incident plain and with torchfix; print a table; 0 only if all are fixed."""
+    show = sys.stderr.isatty() if show is None else show
+    torchfix.disable()  # plain torch first, whatever TORCHFIX_MODE says
+    torch.manual_seed(0)
+    steps: list[tuple[str, Callable[..., Outcome]]] = [
+        ("strides", lambda: strides(quick)),
+        ("resolution", lambda: resolution(quick, show)),
+        ("switching", lambda: switching(quick, show)),
+        ("mixed precision", lambda: mixed_precision(quick, show)),
+        ("devices", lambda: devices(quick, show)),
+        ("DeepCache speedup, SDXL-like", lambda: speedup(quick, show, "sdxl")),
+    ]
+    if not quick:  # ~1.5 min on 2 cores: the SD1.5-like UNet spends its time at the top resolution
+        steps.append(("DeepCache speedup, SD1.5-like", lambda: speedup(quick, show, "sd15")))
+    outcomes = []
+    total = time.perf_counter()
+    print(f"torchfix demo: 5 incidents, plain torch vs torchfix, then DeepCache{' (quick sizes)' if quick else ''}\n", flush=True)
+    for i, (name, fn) in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] {name} ...", flush=True)
+        start = time.perf_counter()
+        with _quiet():
+            try:
+                outcome = fn()
+            except Exception as exc:  # a crash in one incident is reported and counts as not fixed
+                outcome = Outcome(name, "-", f"demo step crashed: {_first_line(exc)}", False)
+        outcome.seconds = time.perf_counter() - start
+        outcomes.append(outcome)
+        print(f"      plain:    {outcome.plain}\n      torchfix: {outcome.torchfix}", flush=True)
+    incidents = [o for o in outcomes if not o.incident.startswith("DeepCache")]
+    fixed = sum(o.fixed for o in incidents)
+    print(f"\n{'=' * 100}\n{_table(outcomes)}\n{'=' * 100}")
+    print(f"{fixed}/{len(incidents)} incidents fixed in {time.perf_counter() - total:.0f} s. torch {torch.__version__}.")
+    return 0 if fixed == len(incidents) else 1
