@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import warnings
@@ -50,9 +51,23 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@contextlib.contextmanager
+def _stderr_fd_silenced() -> Iterator[None]:
+    """The profiler's C++ side prints start/stop lines to fd 2; keep them out of the demo."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _copied_bytes(fn: Callable[[], torch.Tensor]) -> int:
     """Bytes ``fn`` allocates beyond its result (copies of operands), from the profiler."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _stderr_fd_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
     allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
     return max(allocated - out.numel() * out.element_size(), 0)
