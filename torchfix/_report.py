@@ -13,6 +13,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from ._text import align
 from .config import env_max_events
 
 __all__ = ["FixEvent", "Report", "report"]
@@ -90,12 +91,8 @@ class Report:
             return "torchfix: nothing was fixed."
         header = ("count", "op", "guard", "action", "module", "site")
         table = [header] + [(str(n), op, guard, action, module or "-", site) for (site, op, guard, action, module), n in rows]
-        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         lines = [f"torchfix: {sum(n for _, n in rows)} fix(es) at {len({k[0] for k, _ in rows})} site(s)"]
-        for i, row in enumerate(table):
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines += align(table, rule=True)
         if self.dropped:
             lines.append(f"({self.dropped} event(s) counted but not kept in .events; raise TORCHFIX_MAX_EVENTS to keep more)")
         return "\n".join(lines)

@@ -38,6 +38,7 @@ import torch
 
 from . import devices
 from ._state import enabled
+from ._text import align
 from .errors import TorchfixError
 from .guards import known_issues as ki
 
@@ -120,18 +121,16 @@ class AuditReport:
         return counts
 
     def summary(self) -> str:
-        """A table of the findings, one per row."""
+        """A table of the findings, one per row, each followed by its detail (indented)."""
         where = f" for backend={self.backend} (torch {self.torch_version})" if self.backend else ""
         if not self.findings:
             return f"torchfix audit{where}: no hazards found"
-        rows = [("module", "op", "hazard", "fixed at run time", "detail")]
-        rows += [(f.module or "<root>", f.op, f.hazard, "yes" if f.fixed_at_run_time else "no", f.detail) for f in self.findings]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"torchfix audit{where}: {len(self.findings)} hazard(s)"]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths) + "  ------")
+        rows = [("module", "op", "hazard", "fixed at run time")]
+        rows += [(f.module or "<root>", f.op, f.hazard, "yes" if f.fixed_at_run_time else "no") for f in self.findings]
+        header, rule, *body = align(rows, rule=True)
+        lines = [f"torchfix audit{where}: {len(self.findings)} hazard(s)", header, rule]
+        for line, f in zip(body, self.findings):
+            lines += [line, f"    {f.detail}"]
         return "\n".join(lines)
 
 

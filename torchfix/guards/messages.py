@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .._text import align
 from .plan import Action, Finding
 
 __all__ = ["action_text", "describe_tensors", "error_message"]
@@ -24,10 +25,7 @@ def describe_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
             rows.append((name, _dt(t.dtype), str(t.device), f"shape={tuple(t.shape)}", f"stride={tuple(t.stride())}"))
         except (RuntimeError, NotImplementedError):  # e.g. a tensor without strides
             rows.append((name, _dt(t.dtype), str(t.device), f"shape={tuple(t.shape)}", "stride=n/a"))
-    if not rows:
-        return []
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return align(rows)
 
 
 def action_text(action: Action, tensors: Mapping[str, torch.Tensor]) -> str:

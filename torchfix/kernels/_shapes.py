@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FLOATS", "MatmulPlan", "accumulate_dtype", "collapse_batch", "plan", "result_dtype"]
+__all__ = ["FLOATS", "MatmulPlan", "accumulate_dtype", "collapse_batch", "pad_batch", "plan", "result_dtype"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -128,3 +128,13 @@ def collapse_batch(sizes: Sequence[int], *strides: Sequence[int]) -> tuple[list[
         for s, st in zip(out_strides, strides):
             s.append(st[i])
     return out_sizes, out_strides
+
+
+def pad_batch(sizes: Sequence[int], strides: Sequence[Sequence[int]], n: int) -> tuple[list[int], list[list[int]]]:
+    """Left-pad merged batch dims to exactly ``n`` (size 1, stride 0), for kernels that take ``n``.
+
+    >>> pad_batch([6], [[4], [0]], 3)
+    ([1, 1, 6], [[0, 0, 4], [0, 0, 0]])
+    """
+    pad = n - len(sizes)
+    return [1] * pad + list(sizes), [[0] * pad + list(s) for s in strides]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._shapes import check, collapse_batch, plan, result_dtype
+from ._shapes import check, collapse_batch, pad_batch, plan, result_dtype
 
 __all__ = ["SOURCE", "kernel_name", "launch_meta", "matmul", "supports", "unavailable_reason"]
 
@@ -115,9 +115,7 @@ def launch_meta(p: Any, out: torch.Tensor) -> tuple[list[int], int]:
     """
     sizes, strides = collapse_batch(p.batch, p.a.stride()[:-2], p.b.stride()[:-2], out.stride()[:-2])
     torch._check(len(sizes) <= 3, lambda: f"torchfix::matmul (Metal): at most 3 independent batch dims, got {len(sizes)}")
-    pad = 3 - len(sizes)
-    sizes = [1] * pad + sizes
-    sa, sb, sc = ([0] * pad + s for s in strides)
+    sizes, (sa, sb, sc) = pad_batch(sizes, strides, 3)
     meta = [p.m, p.n, p.k, sizes[1], sizes[2]]
     meta += [*sa, *p.a.stride()[-2:], *sb, *p.b.stride()[-2:], *sc, *out.stride()[-2:]]
     return meta, sizes[0] * sizes[1] * sizes[2]

@@ -129,6 +129,7 @@ _fallback_lock = threading.Lock()
 
 
 def _fallback(device_type: str, why: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    check(a, b, out_dtype)
     with _fallback_lock:
         first = device_type not in _fallback_warned
         _fallback_warned.add(device_type)
@@ -145,8 +146,8 @@ def _fallback(device_type: str, why: str, a: torch.Tensor, b: torch.Tensor, out_
 def _on_backend(
     device_type: str, backend: Any, unsupported: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """Run ``backend`` (a module with ``unavailable_reason``, ``supports``, ``matmul``), or fall back to ATen."""
-    check(a, b, out_dtype)
+    """Run ``backend`` (a module with ``unavailable_reason``, ``supports``, ``matmul``, which checks
+    its arguments itself), or fall back to ATen."""
     why = backend.unavailable_reason()
     if why is not None or not backend.supports(a, b):
         return _fallback(device_type, why or unsupported, a, b, out_dtype)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._shapes import check, collapse_batch, plan, result_dtype
+from ._shapes import check, collapse_batch, pad_batch, plan, result_dtype
 
 __all__ = ["interpreting", "matmul", "supports", "unavailable_reason"]
 
@@ -142,11 +142,6 @@ def _compute(a: torch.Tensor, b: torch.Tensor, target: torch.dtype, interpret: b
     return tl.float32, ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
 
 
-def _pad3(sizes: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    pad = _MAX_BATCH_DIMS - len(sizes)
-    return [1] * pad + sizes, [[0] * pad + s for s in strides]
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Launch the kernel on ``a`` and ``b`` as they are (CUDA tensors, or CPU tensors
     in the interpreter). Same contract as ``torch.ops.torchfix.matmul``.
@@ -188,7 +183,7 @@ def _launch(p: Any, out: torch.Tensor, sizes: list[int], sa: list[int], sb: list
     offset_a = sum(i * s for i, s in zip(idx, sa[:lead]))
     offset_b = sum(i * s for i, s in zip(idx, sb[:lead]))
     offset_c = sum(i * s for i, s in zip(idx, sc[:lead]))
-    sizes3, (sa3, sb3, sc3) = _pad3(sizes, [sa[lead:], sb[lead:], sc[lead:]])
+    sizes3, (sa3, sb3, sc3) = pad_batch(sizes, [sa[lead:], sb[lead:], sc[lead:]], _MAX_BATCH_DIMS)
     a = p.a.as_strided((p.m, p.k), p.a.stride()[-2:], p.a.storage_offset() + offset_a)
     b = p.b.as_strided((p.k, p.n), p.b.stride()[-2:], p.b.storage_offset() + offset_b)
     c = out.as_strided((p.m, p.n), out.stride()[-2:], out.storage_offset() + offset_c)
