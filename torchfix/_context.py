@@ -7,15 +7,33 @@ wrappers (:mod:`torchfix.patches`) can import it.
 from __future__ import annotations
 
 import contextvars
+import threading
 
 import torch
 
 from .config import OFF, Settings
 
-__all__ = ["current", "get_global", "scoped", "set_global"]
+__all__ = ["current", "get_global", "pop_scoped", "push_scoped", "scoped", "set_global"]
 
 scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("torchfix_settings", default=None)
 _global: Settings = OFF
+# The same scoped settings, per thread, for compiled code: dynamo cannot trace
+# ContextVar.get (a graph break) but traces a thread-local read and guards on it.
+_compiled = threading.local()
+
+
+def push_scoped(settings: Settings) -> tuple[contextvars.Token[Settings | None], Settings | None]:
+    """Make ``settings`` current in this context; returns what :func:`pop_scoped` needs."""
+    token = scoped.set(settings)
+    previous = getattr(_compiled, "settings", None)
+    _compiled.settings = settings
+    return token, previous
+
+
+def pop_scoped(state: tuple[contextvars.Token[Settings | None], Settings | None]) -> None:
+    token, previous = state
+    scoped.reset(token)
+    _compiled.settings = previous
 
 
 def get_global() -> Settings:
@@ -27,14 +45,17 @@ def set_global(settings: Settings) -> None:
     _global = settings
 
 
-# dynamo cannot trace ContextVar.get (a graph break); evaluating this once at
-# trace time keeps compiled graphs whole.
-@torch._dynamo.assume_constant_result
 def current() -> Settings:
     """The settings in force in this thread / async context.
 
-    Under ``torch.compile`` this is read once, at trace time: a compiled graph
-    keeps the decisions of the settings active when it was traced.
+    Under ``torch.compile`` dynamo traces this read and guards on the values it
+    returns: enabling, disabling or changing the mode, guards, dtype, device
+    policy or kernels recompiles, and a compiled graph never keeps settings
+    that are no longer in force. The global settings are a plain module global
+    for the same reason.
     """
-    s = scoped.get()
+    if torch.compiler.is_compiling():
+        s = getattr(_compiled, "settings", None)
+    else:
+        s = scoped.get()
     return _global if s is None else s

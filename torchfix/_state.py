@@ -18,7 +18,7 @@ import torch
 
 from . import _context, patches
 from ._context import current
-from .config import GUARDS, OFF, Settings
+from .config import GUARDS, OFF, Settings, env_kernels
 from .guards import known_issues as ki
 
 __all__ = ["Status", "current", "disable", "enable", "enabled", "is_enabled", "status"]
@@ -51,6 +51,7 @@ def enable(
     guards: Iterable[str] = GUARDS,
     dtype: torch.dtype | str | None = None,
     device_policy: str = "error",
+    kernels: bool | None = None,
 ) -> Settings:
     """Switch the guards on for the whole process (every thread).
 
@@ -62,13 +63,17 @@ def enable(
         guards: any of ``"dtype"``, ``"device"``, ``"stride"``.
         dtype: target dtype for the matmul family and cat when dtypes are mixed.
         device_policy: ``"error"`` or ``"align"``.
+        kernels: route to torchfix's kernels on every device type (``True``), never
+            (``False``), or only where a hardware run is recorded (``None``: the
+            default, or ``TORCHFIX_KERNELS``).
 
     >>> import torchfix
     >>> torchfix.enable("warn").mode
     'warn'
     >>> torchfix.disable()
     """
-    settings = Settings(mode=mode, guards=tuple(guards), dtype=dtype, device_policy=device_policy)
+    kernels = env_kernels() if kernels is None else kernels
+    settings = Settings(mode=mode, guards=tuple(guards), dtype=dtype, device_policy=device_policy, kernels=kernels)
     with _lock:
         was_on = _context.get_global() is not OFF
         if settings.mode == "off":
@@ -111,6 +116,7 @@ def enabled(
     guards: Iterable[str] | None = None,
     dtype: torch.dtype | str | None = None,
     device_policy: str | None = None,
+    kernels: bool | None = None,
 ) -> Iterator[Settings]:
     """Guards on for this thread / async context only; nestable.
 
@@ -125,19 +131,24 @@ def enabled(
     'strict'
     """
     outer = current()
-    base = outer if outer.active else Settings()
+    base = outer if outer.active else Settings(kernels=env_kernels())
     settings = Settings(
         mode=base.mode if mode is None else mode,
         guards=base.guards if guards is None else tuple(guards),
         dtype=base.dtype if dtype is None else dtype,
         device_policy=base.device_policy if device_policy is None else device_policy,
+        kernels=base.kernels if kernels is None else kernels,
     )
-    token = _context.scoped.set(settings)
-    _hold()
+    state = _context.push_scoped(settings)
+    try:
+        _hold()
+    except BaseException:
+        _context.pop_scoped(state)
+        raise
     try:
         yield settings
     finally:
-        _context.scoped.reset(token)
+        _context.pop_scoped(state)
         _release()
 
 

@@ -64,6 +64,10 @@ class Settings:
             (``None``: autocast's dtype if active, else ``torch.promote_types``).
         device_policy: ``"error"`` (raise before the op runs) or ``"align"``
             (move inputs to the weight's, else the first tensor's, device).
+        kernels: route mixed-dtype and strided matmuls to torchfix's own kernels:
+            ``True`` on every device type, ``False`` never, ``None`` (default) only
+            on device types with a recorded hardware run
+            (:data:`torchfix.kernels.HARDWARE_RUNS`).
 
     >>> Settings(guards=("dtype",)).guards
     frozenset({'dtype'})
@@ -73,9 +77,14 @@ class Settings:
     guards: frozenset[str] = field(default=frozenset(GUARDS))
     dtype: torch.dtype | None = None
     device_policy: str = "error"
+    kernels: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
+        if self.kernels is not None and not isinstance(self.kernels, bool):
+            raise TypeError(
+                f"torchfix: kernels={self.kernels!r} must be True, False or None (route only where a hardware run is recorded)."
+            )
         _check_choice("device_policy", self.device_policy, DEVICE_POLICIES)
         guards = self.guards
         if isinstance(guards, str):
@@ -103,7 +112,9 @@ class Settings:
     def describe(self) -> str:
         """One line: mode, guards, dtype policy and device policy."""
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "auto"
-        return f"mode={self.mode} guards={','.join(sorted(self.guards)) or '-'} dtype={dtype} device_policy={self.device_policy}"
+        kernels = {None: "recorded-hardware", True: "on", False: "off"}[self.kernels]
+        guards = ",".join(sorted(self.guards)) or "-"
+        return f"mode={self.mode} guards={guards} dtype={dtype} device_policy={self.device_policy} kernels={kernels}"
 
 
 OFF = Settings(mode="off")
@@ -129,6 +140,20 @@ def env_max_events(default: int = 10_000) -> int:
     return max(value, 0)
 
 
-def env_kernels_disabled() -> bool:
-    """``TORCHFIX_DISABLE_KERNELS=1`` turns routing to torchfix kernels off."""
-    return os.environ.get("TORCHFIX_DISABLE_KERNELS", "").strip() not in ("", "0", "false", "no")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_kernels() -> bool | None:
+    """``TORCHFIX_KERNELS=1`` routes to torchfix's kernels on every device type, ``0`` never;
+    unset (or ``auto``) routes only where a hardware run is recorded. ``TORCHFIX_DISABLE_KERNELS=1``
+    is the older spelling of ``TORCHFIX_KERNELS=0`` and wins over it."""
+    if os.environ.get("TORCHFIX_DISABLE_KERNELS", "").strip().lower() in _TRUE:
+        return False
+    raw = os.environ.get("TORCHFIX_KERNELS", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"torchfix: TORCHFIX_KERNELS={raw!r} is not valid; use 1, 0 or auto.")

@@ -24,69 +24,101 @@ def ops(**dtypes):
 
 
 def test_same_dtype_is_nothing():
-    assert dtype_guard.decide("linear", ops(input=f16, weight=f16, bias=f16)) is None
+    assert dtype_guard.decide("linear", ops(input=f16, weight=f16, bias=f16), accepted=True) is None
+
+
+def test_what_torch_accepts_is_nothing_whatever_the_kind():
+    for kind in ("linear", "conv", "norm", "attention", "matmul"):
+        assert dtype_guard.decide(kind, ops(input=bf16, weight=f32), accepted=True) is None
+    assert dtype_guard.decide("matmul", ops(input=f16, other=bf16), accepted=True, policy_dtype=bf16) is None
 
 
 def test_linear_activations_win():
-    f = dtype_guard.decide("linear", ops(input=bf16, weight=f16, bias=f16))
+    f = dtype_guard.decide("linear", ops(input=bf16, weight=f16, bias=f16), accepted=False)
     assert [(a.operand, a.to) for a in f.actions] == [("weight", bf16), ("bias", bf16)]
     assert f.torch_raises and "per-call" in f.note
 
 
 def test_kept_module_casts_input_up():
-    f = dtype_guard.decide("linear", ops(input=f16, weight=f32, bias=f32), keep=True)
+    f = dtype_guard.decide("linear", ops(input=f16, weight=f32, bias=f32), accepted=False, keep=True)
     assert [(a.operand, a.action, a.to) for a in f.actions] == [("input", "upcast", f32)]
 
 
-def test_norm_accepts_low_precision_input_with_fp32_params():
-    assert dtype_guard.decide("norm", ops(input=bf16, weight=f32, bias=f32)) is None
-    f = dtype_guard.decide("norm", ops(input=f32, weight=bf16, bias=bf16))
+def test_rejected_norm_casts_parameters_to_the_input():
+    f = dtype_guard.decide("norm", ops(input=f32, weight=bf16, bias=bf16), accepted=False)
     assert {a.operand for a in f.actions} == {"weight", "bias"}
 
 
 def test_attention_follows_query():
-    f = dtype_guard.decide("attention", ops(query=f16, key=bf16, value=f32))
+    f = dtype_guard.decide("attention", ops(query=f16, key=bf16, value=f32), accepted=False)
     assert [(a.operand, a.to) for a in f.actions] == [("key", f16), ("value", f16)]
 
 
 def test_matmul_policy_order():
     base = ops(input=f16, other=bf16)
-    assert {a.to for a in dtype_guard.decide("matmul", base).actions} == {f32}  # promote_types
-    assert {a.to for a in dtype_guard.decide("matmul", base, policy_dtype=bf16).actions} == {bf16}
-    assert {a.to for a in dtype_guard.decide("matmul", base, policy_dtype=bf16, autocast_dtype=f16).actions} == {f16}
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False).actions} == {f32}  # promote_types
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False, policy_dtype=bf16).actions} == {bf16}
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False, autocast_dtype=f16).actions} == {f16}
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False, policy_dtype=bf16, autocast_dtype=f16).actions} == {bf16}
 
 
-def test_autocast_handles_everything_but_cat():
-    assert dtype_guard.decide("linear", ops(input=bf16, weight=f16), autocast_dtype=bf16) is None
-    f = dtype_guard.decide("cat", ops(**{"tensors[0]": f16, "tensors[1]": bf16}), autocast_dtype=bf16)
+def test_matmul_parameters_follow_the_activation():
+    operands = [Operand("input", f16, CPU, param=True), Operand("mat1", bf16, CPU), Operand("mat2", f16, CPU, param=True)]
+    f = dtype_guard.decide("matmul", operands, accepted=False)
+    assert [(a.operand, a.to) for a in f.actions] == [("input", bf16), ("mat2", bf16)]
+    assert "activations" in f.note
+    # without a parameter among the operands, torch's promotion decides
+    f = dtype_guard.decide("matmul", [Operand("input", f16, CPU), Operand("other", bf16, CPU)], accepted=False)
+    assert {a.to for a in f.actions} == {f32}
+
+
+def test_cat_promotion_is_advisory_unless_a_dtype_is_asked_for():
+    f = dtype_guard.decide("cat", ops(**{"tensors[0]": f16, "tensors[1]": bf16}), accepted=True)
+    assert f.advisory and not f.actions and not f.torch_raises and "float32" in f.note
+    asked = dtype_guard.decide("cat", ops(**{"tensors[0]": f16, "tensors[1]": bf16}), accepted=True, policy_dtype=bf16)
+    assert not asked.advisory and [(a.operand, a.to) for a in asked.actions] == [("tensors[0]", bf16)]
+
+
+def test_cat_rejected_under_autocast_goes_to_autocast_dtype():
+    f = dtype_guard.decide("cat", ops(**{"tensors[0]": f16, "tensors[1]": bf16}), accepted=False, autocast_dtype=bf16)
     assert [(a.operand, a.to) for a in f.actions] == [("tensors[0]", bf16)]
 
 
-def test_cat_promotion_is_not_a_torch_error_but_is_reported():
-    f = dtype_guard.decide("cat", ops(**{"tensors[0]": f16, "tensors[1]": bf16}))
-    assert not f.torch_raises and "more memory" in f.note
-
-
 def test_integers_are_ignored():
-    assert dtype_guard.decide("matmul", [Operand("input", torch.int64, CPU), Operand("other", f32, CPU)]) is None
+    assert dtype_guard.decide("matmul", [Operand("input", torch.int64, CPU), Operand("other", f32, CPU)], accepted=False) is None
 
 
-# --- predictions match torch --------------------------------------------------------------
+# --- torch is asked, not guessed ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("a,b", [(f16, bf16), (bf16, f32), (f32, f16)])
-def test_torch_raises_where_the_guard_says(a, b):
-    x, w = torch.randn(2, 4, dtype=a), torch.randn(3, 4, dtype=b)
-    assert not dtype_guard.torch_accepts("linear", ops(input=a, weight=b))
-    with pytest.raises(RuntimeError):
-        F.linear(x, w)
-    for kind, call in (("norm", lambda: F.layer_norm(x, (4,), torch.ones(4, dtype=b))),):
-        accepts = dtype_guard.torch_accepts(kind, ops(input=a, weight=b))
-        if accepts:
-            call()
-        else:
-            with pytest.raises(RuntimeError):
+@pytest.mark.parametrize("a", [f16, bf16, f32, torch.float64])
+@pytest.mark.parametrize("b", [f16, bf16, f32, torch.float64])
+@pytest.mark.parametrize("autocast", [None, bf16])
+def test_accepts_agrees_with_torch(a, b, autocast):
+    from torchfix.guards.accepts import accepts
+
+    x = torch.randn(2, 4, dtype=a)
+    q = torch.randn(1, 1, 3, 4, dtype=a)
+    calls = {
+        "F.linear": (lambda: F.linear(x, torch.randn(3, 4, dtype=b)), ops(input=a, weight=b)),
+        "F.layer_norm": (lambda: F.layer_norm(x, (4,), torch.ones(4, dtype=b), torch.zeros(4, dtype=b)), ops(input=a, weight=b, bias=b)),
+        "F.group_norm": (lambda: F.group_norm(x[..., None], 2, torch.ones(4, dtype=b)), ops(input=a, weight=b)),
+        "F.scaled_dot_product_attention": (
+            lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(3, 3, dtype=b)),
+            ops(query=a, key=a, value=a, attn_mask=b),
+        ),
+        "torch.addmm": (lambda: torch.addmm(torch.zeros(3, dtype=b), x, torch.randn(4, 3, dtype=a)), ops(input=b, mat1=a, mat2=a)),
+        "torch.cat": (lambda: torch.cat([x, x.to(b)]), ops(**{"tensors[0]": a, "tensors[1]": b})),
+    }
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    for op, (call, operands) in calls.items():
+        with ctx:
+            try:
                 call()
+                plain = True
+            except RuntimeError:
+                plain = False
+        assert accepts(op, operands, autocast) is plain, (op, a, b, autocast)
 
 
 # --- through the patched ops --------------------------------------------------------------
@@ -187,40 +219,98 @@ def test_conv_and_sdpa_and_group_norm():
     gn = torch.nn.GroupNorm(2, 4).to(f16)
     q = torch.randn(1, 2, 5, 8, dtype=f16)
     kv = torch.randn(1, 2, 5, 8, dtype=bf16)
+    mask = torch.randn(5, 5, dtype=f32)
     with torchfix.enabled():
         assert conv(x).dtype == bf16
         assert gn(x).dtype == bf16
-        out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=torch.zeros(5, 5, dtype=f32))
+        out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
         assert out.dtype == f16
-    assert torch.equal(out, F.scaled_dot_product_attention(q, kv.half(), kv.half(), attn_mask=torch.zeros(5, 5, dtype=f16)))
+    # key and value follow the query; the float32 mask, which torch accepts, stays float32
+    assert torch.equal(out, F.scaled_dot_product_attention(q, kv.half(), kv.half(), attn_mask=mask))
+    assert "attn_mask" not in torchfix.report().events[-1].detail.split("→", 1)[1]
 
 
-def test_cat_promotion_recorded_and_policy_dtype():
-    a, b = torch.randn(2, dtype=f16), torch.randn(2, dtype=bf16)
+def test_sdpa_with_a_float32_mask_is_left_alone_in_every_mode():
+    q = torch.randn(1, 2, 5, 8, dtype=bf16)
+    mask = torch.randn(5, 5, dtype=f32)
+    plain = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    for mode in ("fix", "warn", "strict"):
+        with torchfix.enabled(mode=mode), warnings.catch_warnings():
+            warnings.simplefilter("error", torchfix.TorchfixWarning)
+            assert torch.equal(F.scaled_dot_product_attention(q, q, q, attn_mask=mask), plain)
+    assert torchfix.report().events == []
+
+
+def test_norm_with_float32_parameters_is_left_alone():
+    x = torch.randn(2, 3, 4, dtype=bf16)
+    ln, gn = torch.nn.LayerNorm(4), torch.nn.GroupNorm(1, 3)
+    plain = (ln(x), gn(x))
+    with torchfix.enabled(mode="strict"):
+        assert torch.equal(ln(x), plain[0]) and torch.equal(gn(x), plain[1])
+    assert plain[0].dtype == bf16 and torchfix.report().events == []
+
+
+class Conv1D(torch.nn.Module):
+    """transformers' GPT-2 Conv1D: torch.addmm(bias, x, weight)."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf))
+        self.bias = torch.nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+def test_one_stray_fp16_conv1d_leaves_a_bf16_model_bf16():
+    import copy
+
+    model = torch.nn.Sequential(Conv1D(4, 4), torch.nn.GELU(), Conv1D(4, 4), torch.nn.Linear(4, 4)).to(bf16)
+    model[2].to(f16)
+    x = torch.randn(2, 3, 4, dtype=bf16)
     with torchfix.enabled():
-        out = torch.cat([a, b])
-        assert out.dtype == f32 and torch.equal(out, torch.cat([a.float(), b.float()]))
-        (ev,) = torchfix.report().events
-        assert ev.action == "promote" and "more memory" in ev.detail
+        out = model(x)
+    fixed = copy.deepcopy(model).to(bf16)  # what the stray layer's per-call cast computes
+    assert out.dtype == bf16 and torch.equal(out, fixed(x))
+    (ev,) = torchfix.report().events
+    assert ev.op == "torch.addmm" and ev.module == "2" and "activations" in ev.detail
+
+
+def test_cat_promotion_is_noted_not_changed_and_policy_dtype_changes_it():
+    a, b = torch.randn(2, dtype=f16), torch.randn(2, dtype=bf16)
+    plain = torch.cat([a, b])
+    for mode in ("fix", "strict"):
+        with torchfix.enabled(mode=mode):
+            out = torch.cat([a, b])
+        assert out.dtype == f32 and torch.equal(out, plain)
+    events = torchfix.report().events
+    assert [e.action for e in events] == ["noted", "noted"]
+    assert "float32" in events[0].detail and "+8 B" in events[0].detail  # 4 elements × (4 - 2) bytes
+    with torchfix.enabled(mode="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(torch.cat([a, b]), plain)
+    assert any("noticed torch.cat" in str(w.message) for w in caught if issubclass(w.category, torchfix.TorchfixWarning))
     with torchfix.enabled(dtype=f16):
         assert torch.concat((a, b)).dtype == f16
         assert torch.concatenate([a, b], axis=0).dtype == f16
-    with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match=r"torch\.cat"):
-        torch.cat([a, b])
+    with torchfix.enabled(mode="strict", dtype=f16), pytest.raises(torchfix.DtypeMismatchError, match=r"torch\.cat"):
+        torch.cat([a, b])  # strict raises exactly where fix would change the call
 
 
-def test_cat_under_autocast_which_torch_rejects():
-    a, b = torch.randn(2, 2, dtype=f16), torch.randn(2, 2, dtype=f32)
+def test_cat_under_autocast():
+    f32_bf16 = (torch.randn(2, 2, dtype=f32), torch.randn(2, 2, dtype=bf16))
+    f16_bf16 = (torch.randn(2, 2, dtype=f16), torch.randn(2, 2, dtype=bf16))
     with torch.autocast("cpu", dtype=bf16):
-        try:
-            torch.cat([a, b])
-            plain_raises = False
-        except RuntimeError:
-            plain_raises = True
+        plain = torch.cat(f32_bf16)  # torch accepts and promotes: left alone
+        with pytest.raises(RuntimeError, match="prioritize"):
+            torch.cat(f16_bf16)  # torch rejects: fixed to autocast's dtype
+        with torchfix.enabled(mode="strict"):
+            assert torch.equal(torch.cat(f32_bf16), plain) and plain.dtype == f32
         with torchfix.enabled():
-            out = torch.cat([a, b])
-    assert out.dtype == bf16
-    assert plain_raises or out.dtype == bf16
+            assert torch.equal(torch.cat(f32_bf16), plain)
+            out = torch.cat(f16_bf16)
+    assert out.dtype == bf16 and torch.equal(out, torch.cat([f16_bf16[0].to(bf16), f16_bf16[1]]))
+    assert [e.action for e in torchfix.report().events if e.action != "noted"] == ["cast"]
 
 
 def test_gradients_flow_through_casts():

@@ -7,27 +7,30 @@ This acts on the *arguments* of a call; it never touches torch attributes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from .. import _frames, kernels
+from .. import _frames
+from .. import kernels as kernels_mod
 from .._report import FixEvent, report
-from ..config import Settings, env_kernels_disabled
+from ..config import Settings
 from ..errors import DeviceMismatchError, DtypeMismatchError, LayoutError, TorchfixError, TorchfixWarning
 from ..kernels import routing as kernel_routing
+from . import accepts as accepts_guard
 from . import device as device_guard
 from . import dtype as dtype_guard
 from . import known_issues as ki
 from . import routing
 from . import stride as stride_guard
-from .messages import action_text, error_message
+from .messages import action_text, compiled_error_message, error_message
 from .ops import OpSpec
 from .plan import Action, Finding, Operand
 
@@ -37,6 +40,17 @@ log = logging.getLogger("torchfix")
 
 _ERRORS: dict[str, type[TorchfixError]] = {"dtype": DtypeMismatchError, "device": DeviceMismatchError, "stride": LayoutError}
 _PARAM_KINDS = ("linear", "conv", "norm")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _constant(fn: _F) -> _F:
+    """Mark ``fn`` as constant in its arguments for torch.compile: dynamo calls it once at
+    trace time instead of tracing it (what ``torch._dynamo.assume_constant_result`` does,
+    without importing dynamo when torchfix is imported)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
 
 # --- modules kept in their precision on purpose ------------------------------------------
 
@@ -135,10 +149,34 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def _is_param(t: torch.Tensor, chain: Sequence[torch.nn.Module] | None) -> bool:
+    """A parameter, or a buffer of a module being run: it follows the activations."""
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    return chain is not None and any(t is b for m in chain for b in m._buffers.values())
+
+
+def _accepted(op: str, operands: Sequence[Operand], device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
+    return accepts_guard.accepts(op, [dataclasses.replace(o, device=device) for o in operands], autocast_dtype)
+
+
+def _minimal(op: str, operands: list[Operand], finding: Finding, device: torch.device, autocast_dtype: torch.dtype | None) -> Finding:
+    """Drop each cast that torch does not need (a float32 sdpa mask beside a cast key stays float32)."""
+    kept = list(finding.actions)
+    for action in finding.actions:
+        trial = [a for a in kept if a is not action]
+        to = {a.operand: a.to for a in trial}
+        cast = [dataclasses.replace(o, dtype=to.get(o.name, o.dtype)) for o in operands]
+        if _accepted(op, cast, device, autocast_dtype):
+            kept = trial
+    return finding if len(kept) == len(finding.actions) else dataclasses.replace(finding, actions=tuple(kept))
+
+
 @functools.lru_cache(maxsize=4096)
 def _decide_cached(
+    op: str,
     kind: str,
-    signature: tuple[tuple[str, torch.dtype, torch.device, bool], ...],
+    signature: tuple[tuple[str, torch.dtype, torch.device, bool, bool], ...],
     device_on: bool,
     dtype_on: bool,
     device_policy: str,
@@ -148,26 +186,38 @@ def _decide_cached(
 ) -> tuple[Finding, ...]:
     operands = [Operand(*s) for s in signature]
     found = []
+    device = next((o.device for o in operands if not o.scalar), operands[0].device)
     if device_on:
         f = device_guard.decide(operands, device_policy)
         if f is not None:
             found.append(f)
-            if f.actions:  # after the moves every operand shares the target device
-                target = f.actions[0].to
-                operands = [Operand(o.name, o.dtype, target, o.scalar) for o in operands]
-    if dtype_on:
-        f = dtype_guard.decide(kind, operands, policy_dtype=policy_dtype, autocast_dtype=autocast_dtype, keep=keep)
+            if not f.actions:  # the call stops here: no dtype question to ask
+                return tuple(found)
+            device = f.actions[0].to  # after the moves every operand shares the target device
+            operands = [dataclasses.replace(o, device=device) for o in operands]
+    if dtype_on and len({o.dtype for o in operands if o.dtype.is_floating_point}) > 1:
+        accepted = _accepted(op, operands, device, autocast_dtype)
+        f = dtype_guard.decide(kind, operands, accepted=accepted, policy_dtype=policy_dtype, autocast_dtype=autocast_dtype, keep=keep)
         if f is not None:
+            if f.actions and f.torch_raises:
+                f = _minimal(op, operands, f, device, autocast_dtype)
             found.append(f)
     return tuple(found)
 
 
 # Constant in its arguments: cached in eager, and evaluated once at trace time
 # under torch.compile (dynamo would otherwise trace the policy code, and it sees
-# through lru_cache).
-@torch._dynamo.assume_constant_result
+# through lru_cache). Settings reach it as arguments, so a settings change
+# (which dynamo guards on: it traces the ContextVar read) gives a new decision.
+@_constant
 def _decide_dtype_device(*key: Any) -> tuple[Finding, ...]:
     return _decide_cached(*key)
+
+
+@_constant
+def _compiled_error_text(index: int, mode: str, *key: Any) -> str:
+    op, signature = key[0], key[2]
+    return compiled_error_message(op, _decide_cached(*key)[index], [(s[0], s[1], s[2]) for s in signature], mode=mode)
 
 
 # --- warn mode: once per call site -------------------------------------------------------
@@ -243,7 +293,8 @@ def _record(
     log.debug("torchfix %s at %s%s: %s", spec.name, site, f" [{module}]" if module else "", detail)
     if settings.mode == "warn":
         where = f" in {module}" if module else ""
-        _warn_once(site, spec.name, f"torchfix fixed {spec.name}{where}: {detail}. To fix it for good: {finding.fix}.")
+        verb = "noticed" if action == "noted" else "fixed"
+        _warn_once(site, spec.name, f"torchfix {verb} {spec.name}{where}: {detail}. To fix it for good: {finding.fix}.")
 
 
 def _raise(
@@ -267,17 +318,18 @@ def _raise(
 # --- routing to torch.ops.torchfix.matmul -----------------------------------------------
 
 
-@torch._dynamo.assume_constant_result
-def _kernels_enabled() -> bool:
-    return not env_kernels_disabled()
+@_constant
+def _kernel_allowed(kernels: bool | None, device_type: str) -> bool:
+    return kernels if kernels is not None else kernels_mod.verified(device_type)
 
 
-@torch._dynamo.assume_constant_result
+@_constant
 def _kernel_available(device_type: str) -> bool:
-    return kernels.available_for(device_type)
+    return kernels_mod.available_for(device_type)
 
 
 _missing_warned: set[str] = set()
+_failed: dict[str, str] = {}  # device type -> why its kernel is off for this process
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -297,16 +349,39 @@ def _warn_missing(device_type: str) -> None:
     )
 
 
+def _kernel_failed(device_type: str, exc: BaseException) -> None:
+    """The kernel raised on a call that the cast/copy path then ran: off for this device type, said once."""
+    why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    with _warned_lock:
+        if device_type in _failed:
+            return
+        _failed[device_type] = why
+    warnings.warn(
+        f"torchfix: the {device_type} kernel torch.ops.torchfix.matmul failed ({why}); the call ran on the cast/copy path, "
+        f"and so will every {device_type} call from now on. Please report this with `torchfix doctor`'s output.",
+        TorchfixWarning,
+        stacklevel=4,
+    )
+
+
+class _KernelFailure(Exception):
+    """Internal: the kernel raised; carries the device type and the error."""
+
+    def __init__(self, device_type: str, exc: BaseException) -> None:
+        super().__init__(device_type)
+        self.device_type, self.exc = device_type, exc
+
+
 def _try_kernel(
     spec: OpSpec, settings: Settings, findings: list[Finding], bound: _Bound, chain: list[torch.nn.Module] | None, compiling: bool
 ) -> Any:
     """Run the call through torch.ops.torchfix.matmul when the routing policy says so;
-    :data:`kernels.routing.NOT_ROUTED` otherwise."""
+    :data:`kernels.routing.NOT_ROUTED` otherwise. Eager kernel errors come back as
+    :class:`_KernelFailure` for the caller to fall back on."""
     moves = next((f for f in findings if f.guard == "device"), None)
     device_type = moves.actions[0].to.type if moves is not None else next(iter(bound.tensors.values())).device.type
-    decision = routing.decide(
-        spec.kind, device_type, findings, enabled=_kernels_enabled(), available=_kernel_available(device_type)
-    )
+    allowed = _kernel_allowed(settings.kernels, device_type) and device_type not in _failed
+    decision = routing.decide(spec.kind, device_type, findings, enabled=allowed, available=_kernel_available(device_type))
     if decision.missing and not compiling:
         _warn_missing(device_type)
     if not decision.route:
@@ -320,8 +395,13 @@ def _try_kernel(
         out_dtype = casts.actions[0].to
     else:
         out_dtype = next(t.dtype for t in bound.tensors.values() if t.is_floating_point())
-    result = kernel_routing.call(spec, tuple(bound.args), bound.kwargs, out_dtype)
-    if result is kernel_routing.NOT_ROUTED or compiling:
+    if compiling:
+        return kernel_routing.call(spec, tuple(bound.args), bound.kwargs, out_dtype)
+    try:
+        result = kernel_routing.call(spec, tuple(bound.args), bound.kwargs, out_dtype)
+    except Exception as exc:  # a kernel never fails a call: the caller falls back, and re-raises torch's own error if any
+        return _KernelFailure(device_type, exc)
+    if result is kernel_routing.NOT_ROUTED:
         return result
     if chain is None:
         chain = _frames.module_chain(2)
@@ -337,9 +417,39 @@ def _try_kernel(
     return result
 
 
+def _note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], result: Any) -> None:
+    """Record an advisory finding (the call ran as torch computes it), with the bytes it costs."""
+    extra = ""
+    if isinstance(result, torch.Tensor) and result.is_floating_point():
+        narrowest = min(t.element_size() for t in before.values() if t.is_floating_point())
+        size = result.numel() * result.element_size()
+        extra = f"; result {size:,} B in {_dtype_name(result.dtype)}, +{size - result.numel() * narrowest:,} B over the narrowest input"
+    noted = dataclasses.replace(finding, actions=(Action(finding.guard, "noted", ""),), note=finding.note + extra)
+    chain = _frames.module_chain(2)
+    _record(spec, settings, noted, before, _frames.call_site(2), _frames.module_path(chain), "left as torch computes it")
+
+
+def _raise_compiled(spec: OpSpec, settings: Settings, index: int, findings: Sequence[Finding], bound: _Bound, orig: Any, key: tuple) -> Any:
+    """Strict mode inside torch.compile: the graph computes the fixed call and raises torchfix's
+    error from it when it runs (dynamo cannot trace the frame walk or torch's own error)."""
+    finding = findings[index]
+    text = _compiled_error_text(index, settings.mode, *key)
+    if not finding.actions:  # nothing to compute a stand-in result from: raise while tracing
+        raise _ERRORS[finding.guard](text)
+    for action in finding.actions:
+        _apply(bound, action)
+    return torch.ops.torchfix.raise_error(orig(*bound.args, **bound.kwargs), text, finding.guard)
+
+
 def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, args: tuple, kwargs: dict) -> Any:
     """The slow path of a guarded op: called when the fast check saw mixed
-    dtypes or devices, a layout with a known-issue row, or unusual arguments."""
+    dtypes or devices, a layout with a known-issue row, or unusual arguments.
+
+    The rule: a call torch accepts runs exactly as torch computes it, in every
+    mode; only a call torch rejects, one that computes garbage (meta or foreign
+    device), a known-issue row in force, or what the caller asked for
+    (``dtype=``, ``device_policy="align"``, ``keep_dtype``) is changed.
+    """
     bound = _Bound(spec, args, kwargs)
     tensors = bound.tensors
     if not tensors:
@@ -348,39 +458,59 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
     first = next(iter(tensors.values()))
     chain: list[torch.nn.Module] | None = None
     keep = False
-    signature = tuple((n, t.dtype, t.device, t.dim() == 0) for n, t in tensors.items())
-    mixed = len({t.dtype for t in tensors.values() if t.is_floating_point()}) > 1
-    if mixed and spec.kind in _PARAM_KINDS and settings.dtype_on and not compiling:
-        chain = _frames.module_chain(1)
-        keep = is_kept(tensors.get("weight"), chain)
-    findings = list(
-        _decide_dtype_device(
-            spec.kind,
-            signature,
-            settings.device_on,
-            settings.dtype_on,
-            settings.device_policy,
-            settings.dtype,
-            _autocast_dtype(first.device.type),
-            keep,
-        )
+    params: frozenset[str] = frozenset()
+    if settings.dtype_on and len({t.dtype for t in tensors.values() if t.is_floating_point()}) > 1:
+        if not compiling:
+            chain = _frames.module_chain(1)
+        if spec.kind in _PARAM_KINDS:
+            keep = chain is not None and is_kept(tensors.get("weight"), chain)
+        elif spec.kind == "matmul":
+            params = frozenset(n for n, t in tensors.items() if _is_param(t, chain))
+    signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params) for n, t in tensors.items())
+    key = (
+        spec.name,
+        spec.kind,
+        signature,
+        settings.device_on,
+        settings.dtype_on,
+        settings.device_policy,
+        settings.dtype,
+        _autocast_dtype(first.device.type),
+        keep,
     )
+    findings = list(_decide_dtype_device(*key))
     if settings.stride_on and not compiling and first.device.type in ki.ACTIVE_DEVICE_TYPES:
         f = stride_guard.decide(spec.family, tensors, device_type=first.device.type)
         if f is not None:
             findings.append(f)
+    notes = [f for f in findings if f.advisory]
+    if notes:
+        findings = [f for f in findings if not f.advisory]
     if not findings:
-        return orig(*args, **kwargs)
+        result = orig(*args, **kwargs)
+        if not compiling:
+            for f in notes:
+                _note(spec, settings, f, tensors, result)
+        return result
 
-    if settings.mode != "strict" and spec.kind in routing.ROUTED_KINDS and all(f.actions for f in findings):
+    if settings.mode == "strict":
+        if compiling:
+            return _raise_compiled(spec, settings, 0, findings, bound, orig, key)
+        return _raise(spec, settings, findings[0], bound, orig, chain)
+    failure: _KernelFailure | None = None
+    if spec.kind in routing.ROUTED_KINDS and all(f.actions for f in findings):
         routed = _try_kernel(spec, settings, findings, bound, chain, compiling)
-        if routed is not kernel_routing.NOT_ROUTED:
+        if isinstance(routed, _KernelFailure):
+            failure = routed
+        elif routed is not kernel_routing.NOT_ROUTED:
             return routed
         bound = _Bound(spec, args, kwargs)  # undo device moves made before a fallback
 
     post: list[Callable[[Any], Any]] = []
     for finding in findings:
-        if settings.mode == "strict" or not finding.actions:
+        if not finding.actions:
+            if compiling:
+                return _raise_compiled(spec, settings, findings.index(finding), findings, bound, orig, key)
             return _raise(spec, settings, finding, bound, orig, chain)
         before = dict(bound.tensors)
         if finding.guard == "stride" and len(findings) > 1:
@@ -402,4 +532,9 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
     result = orig(*bound.args, **bound.kwargs)
     for fn in post:
         result = fn(result)
+    if failure is not None:  # the call was valid: the kernel was at fault
+        _kernel_failed(failure.device_type, failure.exc)
+    if not compiling:
+        for f in notes:
+            _note(spec, settings, f, tensors, result)
     return result

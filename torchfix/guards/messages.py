@@ -10,7 +10,7 @@ import torch
 from .._text import align
 from .plan import Action, Finding
 
-__all__ = ["action_text", "describe_tensors", "error_message"]
+__all__ = ["action_text", "compiled_error_message", "describe_tensors", "error_message"]
 
 
 def _dt(dtype: object) -> str:
@@ -63,3 +63,24 @@ def error_message(
         lines.append(f"  in mode='fix' torchfix would: {would}.")
     lines.append(f"  fix: {finding.fix}.")
     return "\n".join(lines)
+
+
+def compiled_error_message(op: str, finding: Finding, operands: list[tuple[str, object, object]], *, mode: str) -> str:
+    """The error text for a call inside ``torch.compile``d code: built at trace time from what
+    is constant there (the operands' names, dtypes and devices; no call site or module path)."""
+    lines = [f"torchfix [{finding.guard} guard, mode={mode}]: {op}: {finding.problem}."]
+    lines.append("  call site: inside torch.compile'd code (run it eagerly for the file:line and module path)")
+    lines.append("  tensors:")
+    lines.extend(f"    {row}" for row in align([(name, _dt(dtype), str(device)) for name, dtype, device in operands]))
+    if finding.torch_raises:
+        lines.append("  plain torch raises for this call.")
+    if finding.actions:
+        lines.append(f"  in mode='fix' torchfix would: {', '.join(_action_short(a) for a in finding.actions)}.")
+    lines.append(f"  fix: {finding.fix}.")
+    return "\n".join(lines)
+
+
+def _action_short(action: Action) -> str:
+    if action.action in ("cast", "upcast", "promote"):
+        return f"{action.operand} →{_dt(action.to)}"
+    return f"{action.operand} → {action.action}"

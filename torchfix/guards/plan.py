@@ -24,6 +24,7 @@ class Operand:
     dtype: torch.dtype
     device: torch.device
     scalar: bool = False  # a 0-dim tensor, which torch lets cross devices
+    param: bool = False  # a parameter or buffer of a module being run: it follows the activations
 
     @property
     def role(self) -> str:
@@ -53,6 +54,8 @@ class Finding:
         torch_raises: whether plain torch raises for this call (else it runs,
             silently promoting or computing garbage).
         note: extra text for the event (e.g. the per-call cost of a weight cast).
+        advisory: the call runs exactly as torch computes it; the finding is only
+            recorded (and warned about in ``warn`` mode), never fixed or raised on.
     """
 
     guard: str
@@ -61,3 +64,4 @@ class Finding:
     actions: tuple[Action, ...] = ()
     torch_raises: bool = False
     note: str = ""
+    advisory: bool = False

@@ -7,7 +7,11 @@ Rules:
   copy (``contiguous``): the kernel reads the operands as they are;
 - on any device, wherever a known-issue row's workaround is ``kernel``;
 - never in ``strict`` mode (that raises first), never for rows that ask for
-  ``upcast`` or ``cpu``, never when ``TORCHFIX_DISABLE_KERNELS=1``;
+  ``upcast`` or ``cpu``;
+- only where routing is allowed (``enabled``): ``kernels=True`` /
+  ``TORCHFIX_KERNELS=1`` allows every device type, ``kernels=False`` none, and
+  the default only device types with a recorded hardware run
+  (:data:`torchfix.kernels.HARDWARE_RUNS`); a kernel that failed once is off;
 - a device with no usable kernel keeps the cast/copy (see :func:`decide`'s ``missing``).
 
 >>> from torchfix.guards.plan import Action, Finding
@@ -39,7 +43,7 @@ class Routing(NamedTuple):
 
 
 def decide(kind: str, device_type: str, findings: Sequence[Finding], *, enabled: bool, available: bool) -> Routing:
-    """Whether a call with these findings goes to the kernel."""
+    """Whether a call with these findings goes to the kernel (``enabled``: routing is allowed on this device type)."""
     if not enabled or kind not in ROUTED_KINDS or not findings:
         return Routing(False, False)
     wanted = False

@@ -20,9 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .hardware import HARDWARE_RUNS, HardwareRun, verified
 from .ops import DECOMPOSITIONS, aten_reference, matmul
 
-__all__ = ["DECOMPOSITIONS", "Backend", "aten_reference", "available_for", "backends", "matmul"]
+__all__ = [
+    "DECOMPOSITIONS",
+    "HARDWARE_RUNS",
+    "Backend",
+    "HardwareRun",
+    "aten_reference",
+    "available_for",
+    "backends",
+    "matmul",
+    "verified",
+]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 from ..errors import TorchfixWarning
 from ._shapes import accumulate_dtype, check, collapse_batch, plan, result_dtype
 
-__all__ = ["DECOMPOSITIONS", "aten_reference", "matmul"]
+__all__ = ["DECOMPOSITIONS", "aten_reference", "matmul", "raise_error"]
 
 log = logging.getLogger("torchfix")
 
@@ -200,3 +200,36 @@ matmul.register_autograd(_backward, setup_context=_setup_context)
 DECOMPOSITIONS = {torch.ops.torchfix.matmul.default: aten_reference}
 """Maps the operator to aten ops; pass to ``torch_mlir.fx.export_and_import(decomposition_table=...)``
 or ``ExportedProgram.run_decompositions``."""
+
+
+# --- strict mode inside compiled code ----------------------------------------------------------
+
+_ERROR_KINDS = {"dtype": "DtypeMismatchError", "device": "DeviceMismatchError", "stride": "LayoutError"}
+
+
+@torch.library.custom_op("torchfix::raise_error", mutates_args=())
+def raise_error(result: torch.Tensor, message: str, guard: str) -> torch.Tensor:
+    """Raise torchfix's error for ``guard`` with ``message`` when the compiled code runs.
+
+    Strict mode under ``torch.compile`` puts this op where the guard would have
+    fixed the call: the graph stays whole (also with ``fullgraph=True``) and the
+    user gets :class:`torchfix.DtypeMismatchError` (or the device/layout error)
+    from the compiled call, never a dynamo-internal error. ``result`` is the
+    fixed call's value, so the traced shapes downstream stay right; it is never
+    returned.
+    """
+    from .. import errors
+
+    raise getattr(errors, _ERROR_KINDS.get(guard, "TorchfixError"))(message)
+
+
+@raise_error.register_fake
+def _raise_error_fake(result: torch.Tensor, message: str, guard: str) -> torch.Tensor:
+    return torch.empty_like(result)
+
+
+def _raise_error_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return grad, None, None  # never runs (the forward raises); lets AOTAutograd trace models that need grads
+
+
+raise_error.register_autograd(_raise_error_backward)
