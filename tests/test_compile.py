@@ -64,3 +64,43 @@ def test_compiled_matches_eager_including_a_fix(backend):
         assert torch.equal(got, eager)
     else:
         torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_settings_changes_reach_compiled_code_and_strict_raises_torchfix_error(backend, fullgraph):
+    lin = torch.nn.Linear(8, 8).half()
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    compiled = torch.compile(lin, backend=backend, fullgraph=fullgraph)
+    with torchfix.enabled():
+        fixed = compiled(x)
+    assert fixed.dtype == torch.bfloat16
+    with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match=r"F\.linear.*input is bfloat16") as info:
+        compiled(x)  # compiled under fix: the mode change still reaches it
+    assert "torch.compile" in str(info.value) and "fix:" in str(info.value)
+    with pytest.raises(RuntimeError, match="same dtype") as off:
+        compiled(x)  # torchfix off: plain torch's error, no fix baked in
+    assert not isinstance(off.value, torchfix.TorchfixError)
+    with torchfix.enabled():
+        assert torch.equal(compiled(x), fixed)
+
+
+def test_compiled_accepted_mix_is_untouched_and_strict_does_not_raise():
+    def f(q, mask, x, w):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask), F.layer_norm(x, (4,), w)
+
+    q, mask = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16), torch.randn(3, 3)
+    x, w = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(4)
+    plain = f(q, mask, x, w)
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    for mode in ("fix", "strict"):
+        with torchfix.enabled(mode=mode):
+            got = compiled(q, mask, x, w)
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, plain))
+
+
+def test_no_graph_breaks_with_a_scoped_block_inside_another():
+    model = Block(torch.bfloat16).eval()
+    with torchfix.enabled(), torchfix.enabled(mode="warn"):
+        explain = torch._dynamo.explain(model)(torch.randn(2, 4, 8))
+    assert explain.graph_break_count == 0, explain.break_reasons
