@@ -13,10 +13,17 @@ def test_cpu_spellings_are_one_device():
     assert devices.canonical("cpu:0") == torch.device("cpu")
 
 
-def test_cuda_without_index_means_current_device():
-    # On a CPU-only build "cuda" resolves to index 0 without initialising CUDA.
-    assert devices.canonical("cuda") == torch.device("cuda", 0) or torch.cuda.is_available()
-    assert devices.same("cuda", "cuda:0") or (torch.cuda.is_available() and torch.cuda.current_device() != 0)
+def test_cuda_without_index_means_current_device(monkeypatch):
+    # Without a usable CUDA, "cuda" means index 0 (and CUDA is never initialised to ask).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked CUDA for its device"))
+    assert devices.canonical("cuda") == torch.device("cuda", 0)
+    assert devices.same("cuda", "cuda:0") and not devices.same("cuda", "cuda:1")
+    # With CUDA, "cuda" is whatever set_device made current.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert devices.canonical("cuda") == torch.device("cuda", 1)
+    assert devices.same("cuda", "cuda:1") and not devices.same("cuda", "cuda:0")
     assert not devices.same("cuda:0", "cuda:1")
     assert devices.canonical(1) == torch.device("cuda", 1)
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 
 import pytest
@@ -28,12 +29,18 @@ def run(pipe, prompt="a cat", seed=0, steps=6, size=(64, 64), **kw):
 
 
 def snapshot(pipe):
-    """Everything unwrap must leave as it was: instance attributes and hooks of every module."""
+    """Everything unwrap must leave as it was: instance attributes, hooks, and the dtype, device
+    and very data (storage pointer) of every parameter and buffer of every module."""
     state = {"pipe": sorted(vars(pipe))}
     for name, comp in pipe.components.items():
         if isinstance(comp, torch.nn.Module):
             for path, m in comp.named_modules():
-                state[f"{name}.{path}"] = (sorted(vars(m)), dict(m._forward_hooks), dict(m._forward_pre_hooks))
+                tensors = {
+                    n: (t.dtype, t.device, t.data_ptr(), tuple(t.shape))
+                    for n, t in (*m._parameters.items(), *m._buffers.items())
+                    if t is not None
+                }
+                state[f"{name}.{path}"] = (sorted(vars(m)), dict(m._forward_hooks), dict(m._forward_pre_hooks), tensors)
         elif comp is not None:
             state[name] = sorted(vars(comp))
     return state
@@ -54,39 +61,67 @@ def test_proxy_passes_through_and_never_touches_the_class():
 def test_sd35_incident_through_sdxl_text_projection():
     pipe = tiny_sdxl_pipeline().to(torch.bfloat16)
     pipe.text_encoder_2.text_projection.to(torch.float16)  # the stray layer
+    stray = pipe.text_encoder_2.text_projection.weight
+    original = stray.data
     with pytest.raises(RuntimeError, match="dtype"):
         run(pipe, steps=2)
     strict = torchfix.wrap(pipe, mode="strict")
-    findings = strict.preflight()
-    stray = [f for f in findings if f.component == "text_encoder_2.text_projection"]
-    assert len(stray) == 1 and not stray[0].applied and "torch.float16" in stray[0].problem
+    assert not [f for f in strict.preflight() if "text_projection" in f.component]  # dtypes are learned from torch, not guessed
     with pytest.raises(torchfix.DtypeMismatchError, match=r"text_encoder_2\.text_projection"):
         run(strict, steps=2)
-    assert pipe.text_encoder_2.text_projection.weight.dtype == torch.float16  # strict changed nothing
+    assert stray.dtype == torch.float16 and stray.data_ptr() == original.data_ptr()  # strict changed nothing
     strict.unwrap()
 
     w = torchfix.wrap(pipe)
-    out = run(w, steps=2)  # preflight runs before the first call
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchfix.TorchfixWarning)  # fix mode: recorded, not warned
+        first = run(w, steps=2)  # the guards cast the stray weights per call, then wrap casts them once
+    assert first.dtype == torch.bfloat16 and torch.isfinite(first.float()).all()
     applied = [f for f in w.findings if f.component == "text_encoder_2.text_projection"]
-    assert applied and applied[0].applied and "cast to torch.bfloat16 once" in applied[0].fix
-    assert pipe.text_encoder_2.text_projection.weight.dtype == torch.bfloat16  # fixed once, up front
-    # nothing left to fix per call (diffusers' own bf16+fp32 concat in get_aug_embed is still reported)
-    assert not [e for e in torchfix.report().events if e.op == "F.linear"]
+    assert applied and applied[0].applied and "cast to torch.bfloat16 once" in applied[0].fix and "kept for unwrap()" in applied[0].fix
+    assert stray.dtype == torch.bfloat16 and w.kept_bytes == original.numel() * 2
+    wrap_events = [e for e in torchfix.report().events if e.op == "torchfix.wrap"]
+    assert [(e.module, e.action) for e in wrap_events] == [("text_encoder_2.text_projection", "cast")]
+    assert "weight float16→bfloat16" in wrap_events[0].detail
+    torchfix.report().clear()
+    second = run(w, steps=2)
+    assert torch.equal(second, first)  # the one-time cast is the per-call cast: bit-identical
+    assert not [e for e in torchfix.report().events if e.op == "F.linear"]  # nothing left to fix per call
+    assert w.unwrap() is pipe
+    assert stray.dtype == torch.float16 and stray.data_ptr() == original.data_ptr()  # the very original tensor is back
+
+
+def test_warn_mode_warns_about_the_one_time_cast():
+    pipe = tiny_sdxl_pipeline().to(torch.bfloat16)
+    pipe.text_encoder_2.text_projection.to(torch.float16)
+    w = torchfix.wrap(pipe, mode="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(w, steps=2)
+    msgs = [str(m.message) for m in caught if issubclass(m.category, torchfix.TorchfixWarning)]
+    assert any("torchfix.wrap cast text_encoder_2.text_projection.weight from float16 to bfloat16" in m for m in msgs), msgs
     w.unwrap()
 
 
-def test_keep_in_fp32_modules_are_respected():
+@pytest.mark.parametrize("mode", ["off", "fix", "warn", "strict"])
+def test_deliberate_precision_is_never_a_finding_or_a_change(mode):
+    """A bf16 pipeline whose norms stay float32 (diffusers' and transformers' _keep_in_fp32_modules): torch runs it."""
     pipe = tiny_sd15_pipeline()
     pipe.text_encoder._keep_in_fp32_modules = ["final_layer_norm"]
     pipe.to(torch.bfloat16)
-    path = next(n for n, _ in pipe.text_encoder.named_modules() if n.endswith("final_layer_norm"))
-    norm = pipe.text_encoder.get_submodule(path)
-    norm.to(torch.float32)
-    findings = torchfix.wrap(pipe).preflight()
-    kept = [f for f in findings if f.component == f"text_encoder.{path}"]
-    assert kept and kept[0].applied and "_keep_in_fp32_modules" in kept[0].fix
-    assert norm.weight.dtype == torch.float32
+    for m in (*pipe.text_encoder.modules(), *pipe.unet.modules()):
+        if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
+            m.to(torch.float32)
+    plain = run(pipe, steps=2)
+    before = snapshot(pipe)
+    w = torchfix.wrap(pipe, mode=mode)
+    assert w.preflight() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchfix.TorchfixWarning)
+        assert torch.equal(run(w, steps=2), plain)
+    assert w.findings == [] and snapshot(pipe) == before and w.kept_bytes == 0
+    assert not [e for e in torchfix.report().events if e.action != "noted"]
+    w.unwrap()
     del pipe.text_encoder._keep_in_fp32_modules
 
 

@@ -22,6 +22,11 @@ _global: Settings = OFF
 _compiled = threading.local()
 
 
+# Set by torchfix.wrap around a call it learns from: the guards append
+# (module, attribute name, target dtype) for every parameter or buffer they cast.
+param_casts: contextvars.ContextVar[list[tuple[object, str, object]] | None] = contextvars.ContextVar("torchfix_param_casts", default=None)
+
+
 def push_scoped(settings: Settings) -> tuple[contextvars.Token[Settings | None], Settings | None]:
     """Make ``settings`` current in this context; returns what :func:`pop_scoped` needs."""
     token = scoped.set(settings)

@@ -14,22 +14,22 @@ it was made for.
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Iterator
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import wrapt
 
-from . import _frames, deepcache
+from . import _context, _frames, deepcache
 from ._context import current
+from ._report import FixEvent, report
 from ._state import enabled
 from .config import Settings
 from .deepcache import DeepCacheConfig
 from .devices import canonical
-from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError
-from .guards.dtype import kept_in_fp32
+from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, TorchfixWarning
+from .patches.instance import TensorHandle, swap_tensor
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
 
@@ -62,38 +62,8 @@ def _has_accelerate_hook(module: torch.nn.Module) -> bool:
     return any(hasattr(m, "_hf_hook") for m in module.modules())
 
 
-def _layerwise_cast(module: torch.nn.Module) -> bool:
-    registry = getattr(module, "_diffusers_hook", None)
-    hooks = getattr(registry, "hooks", None) or getattr(registry, "_hooks", None) or {}
-    return any("layerwise_casting" in str(name) for name in hooks)
-
-
-def _dominant_dtype(modules: dict[str, torch.nn.Module]) -> torch.dtype | None:
-    counts: Counter[torch.dtype] = Counter()
-    for m in modules.values():
-        for p in m.parameters():
-            if p.is_floating_point() and p.device.type != "meta":
-                counts[p.dtype] += p.numel()
-    return counts.most_common(1)[0][0] if counts else None
-
-
-def _stray_dtype(name: str, model: torch.nn.Module, target: torch.dtype) -> Iterator[tuple[str, torch.nn.Module, torch.dtype, str | None]]:
-    """Submodules whose own parameters are floating and not ``target``; with the reason to keep each, if any."""
-    force_upcast = bool(getattr(getattr(model, "config", None), "force_upcast", False))
-    for path, sub in model.named_modules():
-        own = [p for p in sub.parameters(recurse=False) if p.is_floating_point()]
-        dtypes = {p.dtype for p in own}
-        if not own or dtypes == {target}:
-            continue
-        dtype = next(iter(dtypes - {target}))
-        reason = None
-        if dtype == torch.float32 and kept_in_fp32(model, path):
-            reason = f"listed in {type(model).__name__}._keep_in_fp32_modules"
-        elif force_upcast and dtype == torch.float32:
-            reason = "the VAE's config.force_upcast keeps it in float32 for decoding"
-        elif _layerwise_cast(sub) or _layerwise_cast(model):
-            reason = "diffusers layerwise casting stores it in another dtype on purpose"
-        yield (f"{name}.{path}" if path else name), sub, dtype, reason
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class PipelineProxy(wrapt.ObjectProxy):
@@ -112,6 +82,8 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._self_findings: list[Finding] = []
         self._self_named: list[torch.nn.Module] = []
         self._self_cached_unet: torch.nn.Module | None = None
+        self._self_swaps: list[TensorHandle] = []  # every tensor wrap replaced, with its original
+        self._self_learned = False  # the first call since the last preflight has told which parameters to cast
 
     # --- preflight -------------------------------------------------------------------------
 
@@ -119,13 +91,17 @@ class PipelineProxy(wrapt.ObjectProxy):
         return {name: id(c) for name, c in _modules(self.__wrapped__).items()}
 
     def preflight(self) -> list[Finding]:
-        """Check dtypes, devices, meta weights and conditioning widths; fix what mode ``fix`` may.
+        """Check devices, meta weights and conditioning widths before anything runs.
 
         Runs before the first call and again whenever a component was replaced.
-        Returns every finding (component, problem, fix, applied).
+        Returns every finding (component, problem, fix, applied). Dtypes are not
+        judged here: which mixes are a problem is learned from torch itself on
+        the first call (the guards fix what torch rejects; afterwards the
+        parameters they cast are cast once, see :attr:`findings`). Deliberate
+        precision (fp32 norms, ``_keep_in_fp32_modules``, anything torch accepts)
+        is never a finding.
         """
         pipe = self.__wrapped__
-        mode = self._mode()
         modules = _modules(pipe)
         findings: list[Finding] = []
         self._forget_components()
@@ -155,32 +131,20 @@ class PipelineProxy(wrapt.ObjectProxy):
         if len(set(placed.values())) > 1:
             where = ", ".join(f"{n} on {d}" for n, d in placed.items())
             if self._self_device is not None:
+                moved = 0
                 for n, d in placed.items():
                     if d != self._self_device:
-                        modules[n].to(self._self_device)
-                findings.append(
-                    Finding("pipeline", f"components on different devices: {where}", f"moved to {self._self_device}", True, "device")
-                )
+                        moved += self._move(modules[n], self._self_device)
+                fix = f"moved to {self._self_device}; the originals ({moved:,} B) are kept for unwrap()"
+                findings.append(Finding("pipeline", f"components on different devices: {where}", fix, True, "device"))
             else:
                 fix = "move the pipeline with pipe.to(device), or wrap(pipe, device=...)"
                 findings.append(Finding("pipeline", f"components on different devices: {where}", fix, kind="device"))
 
-        # dtypes
-        target = self._self_dtype or _dominant_dtype(modules)
-        if target is not None:
-            for name, module in modules.items():
-                for path, sub, dtype, reason in _stray_dtype(name, module, target):
-                    if reason is not None:
-                        findings.append(Finding(path, f"{dtype} in a {target} pipeline", f"kept: {reason}", True))
-                    elif mode == "strict" or mode == "off":
-                        findings.append(Finding(path, f"{dtype} in a {target} pipeline", f"cast it once: {path}.to({target})"))
-                    else:
-                        sub.to(target)
-                        findings.append(Finding(path, f"was {dtype} in a {target} pipeline", f"cast to {target} once, up front", True))
-
         findings += self._conditioning()
         self._self_findings = findings
         self._self_fingerprint = self._fingerprint()
+        self._self_learned = False
         for f in findings:
             log.info("torchfix preflight: %s", f)
         return list(findings)
@@ -249,6 +213,9 @@ class PipelineProxy(wrapt.ObjectProxy):
     def _sync_state(self) -> None:
         if self._self_fingerprint != self._fingerprint():
             self.preflight()
+        self._sync_deepcache()
+
+    def _sync_deepcache(self) -> None:
         unet = getattr(self.__wrapped__, "unet", None)
         if self._self_deepcache is not None and unet is not self._self_cached_unet:
             if self._self_cached_unet is not None:
@@ -268,17 +235,86 @@ class PipelineProxy(wrapt.ObjectProxy):
         raise error(f"torchfix preflight of {type(self.__wrapped__).__name__} found:\n{text}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mode = self._mode()
+        if mode == "off":  # straight through: no preflight, no guards (a DeepCache the caller asked for still runs)
+            self._sync_deepcache()
+            return self.__wrapped__(*args, **kwargs)
         self._sync_state()
         self._raise_on_findings()
         self._check_embeddings(kwargs)
         s = self._self_settings
-        with enabled(
-            mode=None if s is None else s.mode,
-            guards=None if s is None else tuple(s.guards),
-            dtype=self._self_dtype,
-            device_policy=None if s is None else s.device_policy,
-        ):
-            return self.__wrapped__(*args, **kwargs)
+        learn: list[tuple[Any, str, Any]] | None = [] if mode in ("fix", "warn") and not self._self_learned else None
+        token = _context.param_casts.set(learn)
+        try:
+            with enabled(
+                mode=None if s is None else s.mode,
+                guards=None if s is None else tuple(s.guards),
+                dtype=self._self_dtype,
+                device_policy=None if s is None else s.device_policy,
+            ):
+                result = self.__wrapped__(*args, **kwargs)
+        finally:
+            _context.param_casts.reset(token)
+        if learn is not None:
+            self._self_learned = True
+            self._cast_once(learn, mode)
+        return result
+
+    # --- what the first call taught ---------------------------------------------------------
+
+    def _path(self, module: torch.nn.Module) -> str:
+        for name, comp in _modules(self.__wrapped__).items():
+            for path, sub in comp.named_modules():
+                if sub is module:
+                    return f"{name}.{path}" if path else name
+        return type(module).__name__
+
+    def _cast_once(self, casts: list[tuple[Any, str, Any]], mode: str) -> None:
+        """Cast, once, each parameter or buffer the guards cast on every call of the first
+        run (to the same dtype, so later calls are bit-identical to the first); keep the originals."""
+        wanted: dict[tuple[int, str], tuple[torch.nn.Module, str, set[torch.dtype]]] = {}
+        for module, name, dtype in casts:
+            wanted.setdefault((id(module), name), (module, name, set()))[2].add(dtype)
+        site = _frames.call_site(2)
+        for module, name, dtypes in wanted.values():
+            if len(dtypes) != 1:
+                continue  # used at two dtypes: one cast cannot serve both; the guards keep casting per call
+            (dtype,) = dtypes
+            tensor = module._parameters.get(name)
+            tensor = module._buffers.get(name) if tensor is None else tensor
+            if tensor is None or tensor.dtype == dtype:
+                continue
+            before = tensor.dtype
+            handle = swap_tensor(module, name, lambda t, dt=dtype: t.to(dt))
+            self._self_swaps.append(handle)
+            path = self._path(module)
+            fix = f"cast to {dtype} once, after the first call; the original ({handle.nbytes:,} B) is kept for unwrap()"
+            self._self_findings.append(Finding(path, f"{name} is {before} where its calls need {dtype} (torch rejects the mix)", fix, True))
+            detail = f"{name} {_dt(before)}→{_dt(dtype)} once, after the first call (the guards cast it on every call so far)"
+            report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, path, detail))
+            log.info("torchfix.wrap: %s.%s %s", path, name, detail)
+            if mode == "warn":
+                warnings.warn(
+                    f"torchfix.wrap cast {path}.{name} from {_dt(before)} to {_dt(dtype)} once: its calls mix dtypes, which torch rejects. "
+                    f"To fix it for good: {path}.to(torch.{_dt(dtype)}).",
+                    TorchfixWarning,
+                    stacklevel=3,
+                )
+
+    def _move(self, module: torch.nn.Module, device: torch.device) -> int:
+        """Move every parameter and buffer of ``module`` to ``device``, keeping the originals; their bytes."""
+        kept = 0
+        for sub in module.modules():
+            for name in [n for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]:
+                handle = swap_tensor(sub, name, lambda t: t.to(device))
+                self._self_swaps.append(handle)
+                kept += handle.nbytes
+        return kept
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes held by the originals of what wrap cast or moved (released by :meth:`unwrap`)."""
+        return sum(h.nbytes for h in self._self_swaps if h.active)
 
     # --- undo ------------------------------------------------------------------------------
 
@@ -288,8 +324,13 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._self_named = []
 
     def unwrap(self) -> Any:
-        """Remove everything torchfix attached (DeepCache, names, caches, references); return the pipeline."""
+        """Remove everything torchfix attached (DeepCache, names, caches, references), put back every
+        parameter and buffer it cast or moved (the very tensors: bit-identical); return the pipeline."""
         pipe = self.__wrapped__
+        for handle in reversed(self._self_swaps):
+            handle.restore()
+        self._self_swaps = []
+        self._self_learned = False
         if self._self_cached_unet is not None:
             deepcache.remove(self._self_cached_unet)
             self._self_cached_unet = None
@@ -317,8 +358,10 @@ def wrap(
         mode: ``fix``, ``warn``, ``strict`` or ``off`` for this pipeline's calls (default: the
             settings in force outside, else ``fix``).
         deepcache: a :class:`torchfix.DeepCacheConfig` to apply DeepCache to the UNet.
-        dtype: the pipeline's dtype; stray submodules are cast to it (default: the dominant dtype).
-        device: align components on this device when they differ.
+        dtype: the ``dtype=`` policy of the guards in this pipeline's calls (mixed matmuls and
+            cats); wrap never casts a component to it up front.
+        device: align components on this device when they differ (the originals are kept
+            and :meth:`PipelineProxy.unwrap` puts them back).
 
     >>> import torchfix
     >>> # w = torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3)); w("a cat")

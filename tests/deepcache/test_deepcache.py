@@ -236,47 +236,76 @@ def test_cache_holds_one_feature(sd15):
     assert torchfix.deepcache.stats(sd15)["cache_bytes"] == 2 * 8 * 8 * 12 * 4
 
 
+def _residuals(value=0.0):
+    # the 12 skips of an 8×8 latent: conv_in, D0 (2 layers + downsampler), D1, D2 (same), D3 (2 layers)
+    shapes = [(8, 8, 8)] * 3 + [(8, 4, 4)] + [(16, 4, 4)] * 2 + [(16, 2, 2)] * 3 + [(16, 1, 1)] * 3
+    return [torch.full((2, *s), value) for s in shapes], torch.full((2, 16, 1, 1), value)
+
+
+def _full_then_cached(unet, x, ehs, full_kw, cached_kw):
+    """One generation: a full step with ``full_kw``, then a cached step with ``cached_kw``."""
+    torchfix.deepcache.new_call(unet)
+    unet(x, 500, ehs, **full_kw)
+    before = torchfix.deepcache.stats(unet)["cached_steps"]
+    out = unet(x, 400, ehs, **cached_kw).sample
+    assert torchfix.deepcache.stats(unet)["cached_steps"] == before + 1  # the second step really was cached
+    return out
+
+
 def test_controlnet_residuals_reach_cached_steps():
+    """Only the cached step's residuals differ between the runs: the full steps (and so the cached
+    deep feature) are identical, so any difference comes from the cached step itself."""
     unet = tiny_sd15_unet()
     x, ehs, _ = _unet_inputs(unet, (8, 8))
-    # the 12 skips of an 8×8 latent: conv_in, D0 (2 layers + downsampler), D1, D2 (same), D3 (2 layers)
-    residual = [torch.zeros(2, 8, 8, 8)] * 3 + [torch.zeros(2, 8, 4, 4)] + [torch.zeros(2, 16, 4, 4)] * 2
-    residual += [torch.zeros(2, 16, 2, 2)] * 3 + [torch.zeros(2, 16, 1, 1)] * 3
-    mid = torch.zeros(2, 16, 1, 1)
+    zero, mid = _residuals(0.0)
+    bumped = [r + 1.0 for r in zero]
+    deep_only = zero[:-1] + [zero[-1] + 1.0]  # the deepest skip: not on branch 0's shallow path
+    full = {"down_block_additional_residuals": zero, "mid_block_additional_residual": mid}
     torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=0))
-    with torch.no_grad():
-        unet(x, 500, ehs, down_block_additional_residuals=residual, mid_block_additional_residual=mid)
-        zero_res = unet(x, 400, ehs, down_block_additional_residuals=residual, mid_block_additional_residual=mid).sample
-        torchfix.deepcache.new_call(unet)
-        unet(x, 500, ehs)
-        no_res = unet(x, 400, ehs).sample
-        torchfix.deepcache.new_call(unet)
-        bumped = [r + 1.0 for r in residual]
-        unet(x, 500, ehs, down_block_additional_residuals=bumped, mid_block_additional_residual=mid)
-        with_res = unet(x, 400, ehs, down_block_additional_residuals=bumped, mid_block_additional_residual=mid).sample
-    assert torch.equal(zero_res, no_res)
-    assert not torch.allclose(with_res, no_res)
-    assert torchfix.deepcache.stats(unet)["cached_steps"] == 3
-    torchfix.deepcache.remove(unet)
+    try:
+        with torch.no_grad():
+            same = _full_then_cached(unet, x, ehs, full, full)
+            again = _full_then_cached(unet, x, ehs, full, full)
+            none = _full_then_cached(unet, x, ehs, full, {})
+            shallow = _full_then_cached(unet, x, ehs, full, {"down_block_additional_residuals": bumped, "mid_block_additional_residual": mid})
+            deep = _full_then_cached(unet, x, ehs, full, {"down_block_additional_residuals": deep_only, "mid_block_additional_residual": mid})
+        assert torch.equal(same, again)
+        assert torch.equal(same, none)  # zero residuals add nothing
+        assert not torch.allclose(shallow, same)  # the shallow skips' residuals are added in the cached step
+        assert torch.equal(deep, same)  # the deep part is the cached feature: its residuals cannot change it
+    finally:
+        torchfix.deepcache.remove(unet)
 
 
-def test_lora_loaded_unet(sd15):
+def test_lora_scale_reaches_cached_steps(sd15):
+    """The full steps run at one LoRA scale; only the cached step's scale differs between the runs."""
     pytest.importorskip("peft")
     from peft import LoraConfig
 
     unet = sd15.unet
     unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False))
+    x, ehs, _ = _unet_inputs(unet, (8, 8))
+    half, full_scale, zero = ({"cross_attention_kwargs": {"scale": v}} for v in (0.5, 1.0, 0.0))
     try:
         ref = generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5})
         torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=1))
         assert torch.equal(generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5}), ref)
-        torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2, branch=2))
-        half = generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5})
-        full_scale = generate(sd15, steps=4, cross_attention_kwargs={"scale": 1.0})
-        assert not torch.allclose(half, full_scale)  # the LoRA scale reaches cached steps
-        assert rel(half, ref) < 0.3
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=2))
+        with torch.no_grad():
+            at_half = _full_then_cached(unet, x, ehs, half, half)
+            at_half_again = _full_then_cached(unet, x, ehs, half, half)
+            at_one = _full_then_cached(unet, x, ehs, half, full_scale)
+            unet.disable_adapters()
+            no_lora = _full_then_cached(unet, x, ehs, half, half)
+            unet.enable_adapters()
+            at_zero = _full_then_cached(unet, x, ehs, half, zero)
+        assert torch.equal(at_half, at_half_again)
+        assert not torch.allclose(at_one, at_half)  # the scale reaches the cached step's LoRA layers
+        assert not torch.allclose(at_zero, at_half)
+        assert not torch.allclose(no_lora, at_half)  # the adapters run in the cached step at all
     finally:
         torchfix.deepcache.remove(sd15)
+        torchfix.deepcache.remove(unet)
         unet.delete_adapters(unet.active_adapters())
 
 

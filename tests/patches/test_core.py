@@ -69,4 +69,8 @@ def test_non_tensor_arguments_reach_torch_unchanged():
         with pytest.raises(TypeError):
             torch.matmul(torch.randn(2, 2), [[1.0, 2.0], [3.0, 4.0]])
         assert (torch.randn(2, 2) @ torch.eye(2)).shape == (2, 2)
-        assert torch.cat([]) if False else True
+    with pytest.raises((RuntimeError, ValueError)) as plain:
+        torch.cat([])
+    with torchfix.enabled(), pytest.raises((RuntimeError, ValueError)) as guarded:
+        torch.cat([])  # torch's own error, unchanged
+    assert type(guarded.value) is type(plain.value) and str(guarded.value) == str(plain.value)

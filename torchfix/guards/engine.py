@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _frames
+from .. import _context, _frames
 from .. import kernels as kernels_mod
 from .._report import FixEvent, report
 from ..config import Settings
@@ -417,6 +417,20 @@ def _try_kernel(
     return result
 
 
+def _observe(finding: Finding, before: Mapping[str, torch.Tensor], chain: Sequence[torch.nn.Module] | None) -> None:
+    """Tell a listening ``torchfix.wrap`` which parameters or buffers this dtype fix cast per call."""
+    sink = _context.param_casts.get()
+    if sink is None or not chain:
+        return
+    for action in finding.actions:
+        t = before.get(action.operand)
+        if t is None or not isinstance(action.to, torch.dtype):
+            continue
+        owner = next(((m, n) for m in chain for n, v in (*m._parameters.items(), *m._buffers.items()) if v is t), None)
+        if owner is not None:
+            sink.append((owner[0], owner[1], action.to))
+
+
 def _note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], result: Any) -> None:
     """Record an advisory finding (the call ran as torch computes it), with the bytes it costs."""
     extra = ""
@@ -529,6 +543,8 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             if chain is None:
                 chain = _frames.module_chain(1)
             _record(spec, settings, finding, before, _frames.call_site(1), _frames.module_path(chain))
+            if finding.guard == "dtype":
+                _observe(finding, before, chain)
     result = orig(*bound.args, **bound.kwargs)
     for fn in post:
         result = fn(result)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttrHandle", "HookHandle", "add_hook", "set_attr"]
+__all__ = ["AttrHandle", "HookHandle", "TensorHandle", "add_hook", "set_attr", "swap_tensor"]
 
 _MISSING = object()
 
@@ -70,3 +70,57 @@ def add_hook(module: torch.nn.Module, fn: Callable[..., Any], *, pre: bool = Fal
     if pre:
         return HookHandle(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
     return HookHandle(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+
+@dataclass
+class TensorHandle:
+    """A parameter's data or a buffer replaced by :func:`swap_tensor`; ``restore()`` puts
+    the original back (the very tensor, so it is bit-identical)."""
+
+    module: torch.nn.Module
+    name: str
+    original: torch.Tensor = field(repr=False)
+    replaced: torch.Tensor = field(repr=False)
+    active: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kept original holds."""
+        return self.original.numel() * self.original.element_size()
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        param = self.module._parameters.get(self.name)
+        if param is not None:
+            # .data is a fresh alias on every read: compare what it points at
+            if _same_tensor(param, self.replaced):
+                param.data = self.original
+        elif self.module._buffers.get(self.name) is self.replaced:
+            self.module._buffers[self.name] = self.original
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+
+
+def swap_tensor(module: torch.nn.Module, name: str, convert: Callable[[torch.Tensor], torch.Tensor]) -> TensorHandle:
+    """Replace parameter (its ``.data``: the Parameter object stays, so hooks and optimizers
+    keep it) or buffer ``name`` of ``module`` by ``convert(tensor)``, keeping the original.
+
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> h = swap_tensor(lin, "weight", lambda t: t.half())
+    >>> lin.weight.dtype
+    torch.float16
+    >>> h.restore(); lin.weight.dtype
+    torch.float32
+    """
+    param = module._parameters.get(name)
+    if param is not None:
+        original = param.data
+        param.data = convert(original)
+        return TensorHandle(module, name, original, param.data)
+    original = module._buffers[name]
+    module._buffers[name] = replaced = convert(original)
+    return TensorHandle(module, name, original, replaced)
