@@ -259,7 +259,7 @@ def test_controlnet_residuals_reach_cached_steps():
     x, ehs, _ = _unet_inputs(unet, (8, 8))
     zero, mid = _residuals(0.0)
     bumped = [r + 1.0 for r in zero]
-    deep_only = zero[:-1] + [zero[-1] + 1.0]  # the deepest skip: not on branch 0's shallow path
+    deep_only = [*zero[:-1], zero[-1] + 1.0]  # the deepest skip: not on branch 0's shallow path
     full = {"down_block_additional_residuals": zero, "mid_block_additional_residual": mid}
     torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=0))
     try:
@@ -267,8 +267,8 @@ def test_controlnet_residuals_reach_cached_steps():
             same = _full_then_cached(unet, x, ehs, full, full)
             again = _full_then_cached(unet, x, ehs, full, full)
             none = _full_then_cached(unet, x, ehs, full, {})
-            shallow = _full_then_cached(unet, x, ehs, full, {"down_block_additional_residuals": bumped, "mid_block_additional_residual": mid})
-            deep = _full_then_cached(unet, x, ehs, full, {"down_block_additional_residuals": deep_only, "mid_block_additional_residual": mid})
+            shallow = _full_then_cached(unet, x, ehs, full, {**full, "down_block_additional_residuals": bumped})
+            deep = _full_then_cached(unet, x, ehs, full, {**full, "down_block_additional_residuals": deep_only})
         assert torch.equal(same, again)
         assert torch.equal(same, none)  # zero residuals add nothing
         assert not torch.allclose(shallow, same)  # the shallow skips' residuals are added in the cached step

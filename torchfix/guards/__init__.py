@@ -1,6 +1,16 @@
-"""Pure policy: given an op and its arguments, decide to pass, cast, move, copy, or raise."""
+"""Pure policy: given an op and its arguments, decide to pass, cast, move, copy, or raise.
 
-from . import device, dtype, known_issues, stride
+The rule every guard follows: torchfix changes a call only where plain torch
+(with the caller's autocast state) would raise, would silently compute garbage
+(a meta or foreign-device operand), or hits a known-issue row in force here,
+or where the caller asked for it (``dtype=``, ``device_policy="align"``,
+``keep_dtype``, ``kernels=True``). Everywhere else the call goes through
+untouched, bit-identical, in every mode, eager and compiled. ``strict`` raises
+exactly where ``fix`` would change something. Whether torch accepts a dtype mix
+is asked of torch itself (:mod:`torchfix.guards.accepts`).
+"""
+
+from . import accepts, device, dtype, known_issues, stride
 from .engine import is_kept, keep_dtype
 from .known_issues import KnownIssue
 from .ops import SPECS, OpSpec
@@ -13,6 +23,7 @@ __all__ = [
     "KnownIssue",
     "OpSpec",
     "Operand",
+    "accepts",
     "device",
     "dtype",
     "is_kept",
