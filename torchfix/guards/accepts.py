@@ -87,7 +87,7 @@ _PROBES: dict[str, tuple[str, Probe]] = {
 for _name in ("torch.cat", "torch.concat", "torch.concatenate"):
     _PROBES[_name] = ("cat", lambda t: aten.cat(list(t.values())))
 
-Key = tuple[str, tuple[tuple[str, torch.dtype], ...], torch.device, torch.dtype | None]
+Key = tuple[str, tuple[tuple[str, torch.dtype, int | None, bool], ...], torch.device, torch.dtype | None]
 _verdicts: dict[Key, bool] = {}
 _lock = threading.Lock()
 
@@ -104,18 +104,32 @@ def _autocast(device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
         yield
 
 
-def _tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if dtype is torch.bool:
-        return torch.ones(shape, dtype=dtype, device=device)
-    return torch.full(shape, 0.5 if dtype.is_floating_point else 1, dtype=dtype, device=device)
+def _shape(table: str, role: str, rank: int | None) -> tuple[int, ...]:
+    """The role's probe shape, at the call's rank: torch's rules can differ by rank
+    (``F.linear`` adds a bias of another dtype to a 1-D input's result, not to a 2-D one's)."""
+    base = _SHAPES.get(table, {}).get(role, (1,))
+    if rank is None or rank == len(base):
+        return base
+    if table == "group_norm" and role == "input":
+        return (1, 2, *(1,) * (rank - 2)) if rank >= 2 else base
+    if rank < len(base):
+        return base[len(base) - rank :]
+    return (*(1,) * (rank - len(base)), *base)
+
+
+def _tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, contiguous: bool) -> torch.Tensor:
+    fill = True if dtype is torch.bool else 0.5 if dtype.is_floating_point else 1
+    if contiguous or not shape:
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    # a stepped view: same shape, not contiguous (torch picks some code paths by layout)
+    return torch.full((*shape[:-1], 2 * shape[-1]), fill, dtype=dtype, device=device)[..., ::2]
 
 
 def _run(op: str, operands: Sequence[Operand], device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
     table, probe = _PROBES[op]
-    shapes = _SHAPES.get(table, {})
     # No guard, hook or mode of the caller's may see the probe: it only asks ATen.
     with torch.no_grad(), _autocast(device.type, autocast_dtype), torch.utils._python_dispatch._disable_current_modes():
-        tensors = {o.name: _tensor(shapes.get(o.role, (1,)), o.dtype, device) for o in operands}
+        tensors = {o.name: _tensor(_shape(table, o.role, o.rank), o.dtype, device, o.contiguous) for o in operands}
         try:
             probe(tensors)
         except (RuntimeError, TypeError, NotImplementedError, ValueError):
@@ -126,10 +140,10 @@ def _run(op: str, operands: Sequence[Operand], device: torch.device, autocast_dt
 def accepts(op: str, operands: Sequence[Operand], autocast_dtype: torch.dtype | None = None) -> bool:
     """Whether plain torch runs ``op`` on operands of these dtypes without raising.
 
-    Asked once per (op, operand names and dtypes, device, autocast dtype) by
-    running the op's ATen overload on tiny tensors; the answer is cached. Only
-    dtypes (and the device they meet on) are asked about: shapes are the
-    caller's business, and torch reports shape errors itself.
+    Asked once per (op, operand names, dtypes, ranks and contiguity, device,
+    autocast dtype) by running the op's ATen overload on tiny tensors of those
+    ranks and layouts; the answer is cached. Sizes are not asked about: they are
+    the caller's business, and torch reports size errors itself.
 
     Args:
         op: a guarded callable's display name (``F.linear``).
@@ -137,7 +151,7 @@ def accepts(op: str, operands: Sequence[Operand], autocast_dtype: torch.dtype | 
         autocast_dtype: autocast's dtype for that device type, or ``None``.
     """
     device = operands[0].device if operands else torch.device("cpu")
-    key: Key = (op, tuple((o.name, o.dtype) for o in operands), device, autocast_dtype)
+    key: Key = (op, tuple((o.name, o.dtype, o.rank, o.contiguous) for o in operands), device, autocast_dtype)
     verdict = _verdicts.get(key)
     if verdict is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -176,7 +176,7 @@ def _minimal(op: str, operands: list[Operand], finding: Finding, device: torch.d
 def _decide_cached(
     op: str,
     kind: str,
-    signature: tuple[tuple[str, torch.dtype, torch.device, bool, bool], ...],
+    signature: tuple[tuple[str, torch.dtype, torch.device, bool, bool, int, bool], ...],
     device_on: bool,
     dtype_on: bool,
     device_policy: str,
@@ -471,28 +471,29 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
     compiling = torch.compiler.is_compiling()
     first = next(iter(tensors.values()))
     chain: list[torch.nn.Module] | None = None
-    keep = False
-    params: frozenset[str] = frozenset()
-    if settings.dtype_on and len({t.dtype for t in tensors.values() if t.is_floating_point()}) > 1:
-        if not compiling:
-            chain = _frames.module_chain(1)
-        if spec.kind in _PARAM_KINDS:
-            keep = chain is not None and is_kept(tensors.get("weight"), chain)
-        elif spec.kind == "matmul":
-            params = frozenset(n for n, t in tensors.items() if _is_param(t, chain))
-    signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params) for n, t in tensors.items())
     key = (
         spec.name,
         spec.kind,
-        signature,
+        tuple((n, t.dtype, t.device, t.dim() == 0, False, t.dim(), t.is_contiguous()) for n, t in tensors.items()),
         settings.device_on,
         settings.dtype_on,
         settings.device_policy,
         settings.dtype,
         _autocast_dtype(first.device.type),
-        keep,
+        False,
     )
     findings = list(_decide_dtype_device(*key))
+    # Who owns the operands (a kept module, parameters) matters only for a mix torch rejects:
+    # the frame walk is paid only then, never for a mix torch accepts.
+    if spec.kind in (*_PARAM_KINDS, "matmul") and any(f.guard == "dtype" and f.torch_raises for f in findings):
+        if not compiling:
+            chain = _frames.module_chain(1)
+        keep = spec.kind != "matmul" and chain is not None and is_kept(tensors.get("weight"), chain)
+        params = frozenset(n for n, t in tensors.items() if _is_param(t, chain)) if spec.kind == "matmul" else frozenset()
+        if keep or params:
+            signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params, *s[5:]) for (n, t), s in zip(tensors.items(), key[2]))
+            key = (*key[:2], signature, *key[3:8], keep)
+            findings = list(_decide_dtype_device(*key))
     if settings.stride_on and not compiling and first.device.type in ki.ACTIVE_DEVICE_TYPES:
         f = stride_guard.decide(spec.family, tensors, device_type=first.device.type)
         if f is not None:

@@ -25,6 +25,8 @@ class Operand:
     device: torch.device
     scalar: bool = False  # a 0-dim tensor, which torch lets cross devices
     param: bool = False  # a parameter or buffer of a module being run: it follows the activations
+    rank: int | None = None  # the tensor's dim() and
+    contiguous: bool = True  # its layout: what torch accepts can depend on both (F.linear with a 1-D input)
 
     @property
     def role(self) -> str:
