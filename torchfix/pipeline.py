@@ -29,6 +29,7 @@ from .config import Settings
 from .deepcache import DeepCacheConfig
 from .devices import canonical
 from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, TorchfixWarning
+from .guards.messages import dtype_name as _dt
 from .patches.instance import TensorHandle, swap_tensor
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
@@ -60,10 +61,6 @@ def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
 def _has_accelerate_hook(module: torch.nn.Module) -> bool:
     # accelerate's offload/device_map hooks move weights themselves; their devices are theirs to manage.
     return any(hasattr(m, "_hf_hook") for m in module.modules())
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class PipelineProxy(wrapt.ObjectProxy):

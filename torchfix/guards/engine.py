@@ -14,7 +14,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -364,12 +364,11 @@ def _kernel_failed(device_type: str, exc: BaseException) -> None:
     )
 
 
-class _KernelFailure(Exception):
-    """Internal: the kernel raised; carries the device type and the error."""
+class _KernelFailure(NamedTuple):
+    """Internal, returned (never raised) by :func:`_try_kernel`: the kernel raised this error."""
 
-    def __init__(self, device_type: str, exc: BaseException) -> None:
-        super().__init__(device_type)
-        self.device_type, self.exc = device_type, exc
+    device_type: str
+    exc: BaseException
 
 
 def _try_kernel(

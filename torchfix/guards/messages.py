@@ -10,11 +10,15 @@ import torch
 from .._text import align
 from .plan import Action, Finding
 
-__all__ = ["action_text", "compiled_error_message", "describe_tensors", "error_message"]
+__all__ = ["action_text", "compiled_error_message", "describe_tensors", "dtype_name", "error_message"]
 
 
-def _dt(dtype: object) -> str:
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` → ``bfloat16``."""
     return str(dtype).removeprefix("torch.")
+
+
+_dt = dtype_name
 
 
 def describe_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
