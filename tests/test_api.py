@@ -193,7 +193,8 @@ def _run(code: str, mode: str | None) -> subprocess.CompletedProcess:
 def test_import_enables_by_default_and_stays_lean():
     code = (
         "import sys, torch, torchfix\n"
-        "assert 'diffusers' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n"
+        "heavy = [m for m in ('diffusers', 'transformers', 'torch._dynamo', 'triton', 'torch_mlir', 'wrapt') if m in sys.modules]\n"
+        "assert not heavy, f'heavy import: {heavy}'\n"
         "assert not torch.cuda.is_initialized()\n"
         "st = torchfix.status(); assert st.enabled and st.settings.mode == 'fix', st\n"
         "x = torch.randn(2, 4, dtype=torch.bfloat16); w = torch.randn(3, 4, dtype=torch.float16)\n"
@@ -206,11 +207,17 @@ def test_import_enables_by_default_and_stays_lean():
 
 def test_import_with_mode_off_patches_nothing():
     code = (
-        "import torch, torch.nn.functional as F\n"
+        "import sys, torch, torch.nn.functional as F\n"
         "orig = F.linear, torch.matmul, torch.Tensor.__matmul__, torch.cat\n"
+        "before = set(sys.modules)\n"
         "import torchfix\n"
         "assert (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.cat) == orig\n"
+        "new = {m.partition('.')[0] for m in set(sys.modules) - before} - {'torchfix'}\n"
+        "new = {m for m in new if m not in sys.stdlib_module_names and not m.startswith('_sysconfigdata')}\n"
+        "assert not new, f'imported beyond torchfix and the standard library: {new}'\n"
         "assert torchfix.status().patched == () and not torchfix.is_enabled()\n"
+        "from torchfix import wrap  # wrapt comes with the first use\n"
+        "assert 'wrapt' in sys.modules and callable(wrap)\n"
     )
     r = _run(code, "off")
     assert r.returncode == 0, r.stderr

@@ -28,7 +28,6 @@ from .guards.engine import keep_dtype
 from .guards.known_issues import KnownIssue
 from .guards.known_issues import add as add_known_issue
 from .guards.known_issues import remove as remove_known_issue
-from .pipeline import PipelineProxy, wrap
 
 __version__ = "0.1.0"
 
@@ -65,6 +64,20 @@ __all__ = [
     "status",
     "wrap",
 ]
+
+_LAZY = {"PipelineProxy": "pipeline", "wrap": "pipeline"}
+
+
+def __getattr__(name: str) -> object:
+    # torchfix.wrap needs wrapt: imported at first use, so `import torchfix` stays light.
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'torchfix' has no attribute {name!r}")
+
 
 if env_mode() != "off":
     enable(env_mode())

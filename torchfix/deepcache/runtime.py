@@ -109,7 +109,25 @@ def stats(target: Any) -> dict[str, Any]:
     }
 
 
-@torch.compiler.disable
+def _outside_graphs(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)``, made when dynamo first traces a call to ``fn``: decorating
+    at import time would import torch._dynamo (and Triton) with torchfix, ~1.3 s. In eager
+    ``fn`` runs directly; while dynamo traces, the call to ``torch.compiler.disable`` itself is
+    a graph break that runs eagerly once, and every trace after that calls the disabled function."""
+    disabled: list[Any] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper
+
+
+@_outside_graphs
 def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool:
     """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
     signature = (tuple(sample.shape), sample.dtype, sample.device)
@@ -134,7 +152,7 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     return full
 
 
-@torch.compiler.disable
+@_outside_graphs
 def _done_full(state: DeepCacheState) -> None:
     state.capturing = False
 

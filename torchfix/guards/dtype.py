@@ -111,7 +111,7 @@ def decide(
         params = [o for o in floats if o.param]
         acts = {o.dtype for o in floats if not o.param}
         if policy_dtype is not None:
-            target, why, action = policy_dtype, f"the configured dtype {_name(policy_dtype)}", "cast"
+            target, why, action = policy_dtype, f"the requested dtype {_name(policy_dtype)} (dtype= or out=)", "cast"
         elif autocast_dtype is not None:
             target, why, action = autocast_dtype, f"the active autocast dtype {_name(autocast_dtype)}", "cast"
         elif kind == "matmul" and params and len(acts) == 1:

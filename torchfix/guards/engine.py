@@ -149,6 +149,14 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def _requested_dtype(spec: OpSpec, settings: Settings, kwargs: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype the caller asked for: a matmul's ``out=`` tensor fixes the result's dtype, else ``dtype=``."""
+    out = kwargs.get("out") if spec.kind == "matmul" else None
+    if isinstance(out, torch.Tensor) and out.is_floating_point():
+        return out.dtype
+    return settings.dtype
+
+
 def _is_param(t: torch.Tensor, chain: Sequence[torch.nn.Module] | None) -> bool:
     """A parameter, or a buffer of a module being run: it follows the activations."""
     if isinstance(t, torch.nn.Parameter):
@@ -477,7 +485,7 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
         settings.device_on,
         settings.dtype_on,
         settings.device_policy,
-        settings.dtype,
+        _requested_dtype(spec, settings, kwargs),
         _autocast_dtype(first.device.type),
         False,
     )

@@ -1,17 +1,34 @@
 """The guarded torch callables and their wrappers.
 
-Patch once, gate per call: each wrapper's first line asks which settings are
-in force in this context (:func:`torchfix._context.current`); when torchfix is
-off it calls straight through. When on, an inline *fast check* (one dtype, one
-device, no known-issue row for this device type) also calls straight through
-with the original arguments, so valid inputs give bit-identical results.
-Anything else goes to :func:`torchfix.guards.engine.guarded_call`.
+Patch once, gate per call. Each wrapper reads which settings are in force in
+this context (``scoped.get() or GLOBAL[0]``, ~0.05 µs); when torchfix is off it
+calls straight through. When on, eager calls take the *optimistic* path:
 
-The fast checks are written out per argument shape rather than shared through
-a helper: on torch 2.13 CPU a Python call costs ~80 ns and ``device.type``
-~380 ns, against a budget of ~0.6 µs per guarded call. Each check only reads
-attributes; an argument without them (not a tensor) raises AttributeError or
-TypeError, which sends the call to the slow path, where torch reports it.
+1. A call with an operand on the meta device goes to the checked path: torch
+   silently computes garbage for ``F.linear(cpu, meta_weight)`` and the like,
+   and the device guard must see it first.
+2. Otherwise the original runs with the caller's own arguments. What torch
+   accepts comes back exactly as torch computes it: that is the rule
+   (docs/guide.md), and it costs no dtype or device reads at all.
+3. Only if torch raises does torchfix look: inputs of one dtype and one device
+   mean the error is not torchfix's to fix, and torch's own exception
+   propagates untouched; anything else goes to
+   :func:`torchfix.guards.engine.guarded_call`, which casts, moves, routes or
+   raises a clear error.
+
+The *checked* path asks first, for every call: inputs of one dtype (bool
+masks aside) and one device, and no known-issue row for the device type,
+call straight through; anything else goes to ``guarded_call``. It runs
+while dynamo or torch.export trace (the checks cost nothing in the compiled
+graph) and where known-issue rows are in force (they match calls that torch
+runs without an error). ``cat`` always reads its dtypes: a promotion torch
+accepts is still reported, or cast where ``dtype=`` asks for it. (A ``dtype=``
+policy changes no other mix that torch accepts, so it needs no check first.)
+
+Where each tensor sits (position or keyword) is read per argument shape by a
+``pick`` function; the common positional layout is also written out inline in
+the wrapper, because on torch 2.13 CPU a Python call costs ~0.08 µs against a
+budget of 0.5 µs per guarded call.
 """
 
 from __future__ import annotations
@@ -32,122 +49,284 @@ from .core import Patch
 __all__ = ["PATCHES", "TARGETS"]
 
 Wrapper = Callable[..., Any]
-_NOT_TENSOR = (AttributeError, TypeError)
+Picker = Callable[[tuple, dict], tuple]
+# Anything that is not a tensor where one is expected, a missing argument, or
+# too few of them: the slow path binds the call properly and lets torch report.
+_ODD = (AttributeError, TypeError, ValueError, IndexError, KeyError)
+# Re-running a call after these would only repeat them.
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-def _two(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """matmul / mm / bmm and their Tensor methods: exactly two tensors."""
-    current, slow, rows = _context.current, engine.guarded_call, ki.ACTIVE_HOLDER
+def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
+    """One dtype (bool masks aside) and one device among ``tensors`` (``None`` skipped),
+    and no known-issue row in force for that device type."""
+    dt = dev = None
+    for t in tensors:
+        if t is None:
+            continue
+        if dev is None:
+            dt, dev = t.dtype, t.device
+            if rows and dev.type in rows:
+                return False
+        elif t.device != dev or (t.dtype is not dt and t.dtype is not torch.bool):
+            return False
+    return True
+
+
+def _paths(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[..., Any], Callable[[tuple, dict], bool]]:
+    """The checked path and the "is this call uniform?" question for one op."""
+    slow, rows = engine.guarded_call, ki.ACTIVE_HOLDER
+
+    def uniform(args: tuple, kwargs: dict) -> bool:
+        try:
+            return _uniform(pick(args, kwargs), rows[0])
+        except _ODD:
+            return False
+
+    def checked(settings: Any, args: tuple, kwargs: dict) -> Any:
+        if settings.active and not uniform(args, kwargs):
+            return slow(spec, orig, settings, args, kwargs)
+        return orig(*args, **kwargs)
+
+    return checked, uniform
+
+
+class _CompilingFlag:
+    """Stands in for ``torch.compiler`` on a torch without ``_is_compiling_flag``."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+def _prologue() -> tuple[Any, ...]:
+    """What every wrapper holds in its closure (closure cells are the cheapest reads)."""
+    return (
+        # ``dynamo() or compiler._is_compiling_flag`` is torch.compiler.is_compiling() without
+        # its torch.jit.is_scripting() call (~0.04 µs; scripted code never reaches a Python
+        # wrapper): True while dynamo traces (folded to a constant, so dynamo never reads the
+        # flag or guards on it) and while torch.export traces non-strict. There, fake tensors
+        # accept dtype mixes that real kernels reject, so "run it and see" would not see, and
+        # the checked path runs instead.
+        torch.compiler.is_dynamo_compiling,
+        torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag(),
+        _context.current,
+        _context.scoped.get,
+        _context.GLOBAL,
+        engine.guarded_call,
+        ki.ACTIVE_HOLDER,
+    )
+
+
+def _by_name(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:
+    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))
+
+
+def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
+    """matmul / mm / bmm and their Tensor methods: two tensors (``out=`` passes through)."""
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    names = spec.params[:2]
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        return _by_name(args, kwargs, names)
+
+    checked, uniform = _paths(spec, orig, pick)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        settings = current()
-        if settings.active:
-            if kwargs or len(args) != 2:
-                return slow(spec, orig, settings, args, kwargs)
-            a, b = args
-            try:
-                dev = a.device
-                if a.dtype is not b.dtype or dev != b.device or (rows[0] and dev.type in rows[0]):
-                    return slow(spec, orig, settings, args, kwargs)
-            except _NOT_TENSOR:
-                return slow(spec, orig, settings, args, kwargs)
-            return orig(a, b)
-        return orig(*args, **kwargs)
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(current(), args, kwargs)
+        settings = scoped() or glob[0]
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        try:
+            if args[0].is_meta or args[1].is_meta:
+                return checked(settings, args, kwargs)
+        except _ODD:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
 
-def _three(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """linear / conv (input, weight[, bias], options...) and addmm / baddbmm (three tensors)."""
-    current, slow, rows = _context.current, engine.guarded_call, ki.ACTIVE_HOLDER
+def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
+    """addmm / baddbmm and their Tensor methods: three tensors (``beta=``, ``alpha=``, ``out=`` pass through)."""
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    names = spec.params[:3]
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        return _by_name(args, kwargs, names)
+
+    checked, uniform = _paths(spec, orig, pick)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        settings = current()
-        if settings.active:
-            if kwargs or len(args) < 2:
-                return slow(spec, orig, settings, args, kwargs)
-            try:
-                a, w = args[0], args[1]
-                dt, dev = a.dtype, a.device
-                if w.dtype is not dt or dev != w.device or (rows[0] and dev.type in rows[0]):
-                    return slow(spec, orig, settings, args, kwargs)
-                if len(args) > 2:
-                    b = args[2]
-                    if b is not None and (b.dtype is not dt or dev != b.device):
-                        return slow(spec, orig, settings, args, kwargs)
-            except _NOT_TENSOR:
-                return slow(spec, orig, settings, args, kwargs)
-        return orig(*args, **kwargs)
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(current(), args, kwargs)
+        settings = scoped() or glob[0]
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        try:
+            if args[0].is_meta or args[1].is_meta or args[2].is_meta:
+                return checked(settings, args, kwargs)
+        except _ODD:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
+
+    return wrapper
+
+
+def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
+    """linear / conv: (input, weight, bias=None, options...), any of them by keyword."""
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        n = len(args)
+        if n > 2:
+            return args[0], args[1], args[2]
+        x = args[0] if n else kwargs["input"]
+        return x, args[1] if n > 1 else kwargs["weight"], kwargs.get("bias")
+
+    checked, uniform = _paths(spec, orig, pick)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(current(), args, kwargs)
+        settings = scoped() or glob[0]
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        try:
+            if args[0].is_meta or args[1].is_meta:
+                return checked(settings, args, kwargs)
+            bias = args[2] if len(args) > 2 else kwargs.get("bias") if kwargs else None
+            if bias is not None and bias.is_meta:
+                return checked(settings, args, kwargs)
+        except _ODD:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
 
 def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """scaled_dot_product_attention(q, k, v, attn_mask=None, ...): diffusers passes options by keyword."""
-    current, slow, rows = _context.current, engine.guarded_call, ki.ACTIVE_HOLDER
-    boolean = torch.bool
+    """scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, ...)."""
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    names = ("query", "key", "value")
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        q, k, v = args[:3] if len(args) >= 3 else _by_name(args, kwargs, names)
+        return q, k, v, args[3] if len(args) > 3 else kwargs.get("attn_mask")
+
+    checked, uniform = _paths(spec, orig, pick)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        settings = current()
-        if settings.active:
-            try:
-                q, k, v = args[0], args[1], args[2]
-                dt, dev = q.dtype, q.device
-                if k.dtype is not dt or v.dtype is not dt or dev != k.device or dev != v.device or (rows[0] and dev.type in rows[0]):
-                    return slow(spec, orig, settings, args, kwargs)
-                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-                if mask is not None and ((mask.dtype is not dt and mask.dtype is not boolean) or dev != mask.device):
-                    return slow(spec, orig, settings, args, kwargs)
-            except (*_NOT_TENSOR, IndexError):
-                return slow(spec, orig, settings, args, kwargs)
-        return orig(*args, **kwargs)
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(current(), args, kwargs)
+        settings = scoped() or glob[0]
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        try:
+            if args[0].is_meta or args[1].is_meta or args[2].is_meta:
+                return checked(settings, args, kwargs)
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask") if kwargs else None
+            if mask is not None and mask.is_meta:
+                return checked(settings, args, kwargs)
+        except _ODD:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
 
 def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """layer_norm / group_norm (input, shape-or-groups, weight, bias, eps)."""
-    current, slow, rows = _context.current, engine.guarded_call, ki.ACTIVE_HOLDER
+    """layer_norm / group_norm: (input, shape-or-groups, weight=None, bias=None, eps=...)."""
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        n = len(args)
+        x = args[0] if n else kwargs["input"]
+        return x, args[2] if n > 2 else kwargs.get("weight"), args[3] if n > 3 else kwargs.get("bias")
+
+    checked, uniform = _paths(spec, orig, pick)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        settings = current()
-        if settings.active:
-            try:
-                x = args[0]
-                dt, dev = x.dtype, x.device
-                if rows[0] and dev.type in rows[0]:
-                    return slow(spec, orig, settings, args, kwargs)
-                w = args[2] if len(args) > 2 else kwargs.get("weight")
-                b = args[3] if len(args) > 3 else kwargs.get("bias")
-                if (w is not None and (w.dtype is not dt or dev != w.device)) or (b is not None and (b.dtype is not dt or dev != b.device)):
-                    return slow(spec, orig, settings, args, kwargs)
-            except (*_NOT_TENSOR, IndexError):
-                return slow(spec, orig, settings, args, kwargs)
-        return orig(*args, **kwargs)
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(current(), args, kwargs)
+        settings = scoped() or glob[0]
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        try:
+            # A meta operand goes to the device guard first, as in every other shape.
+            n = len(args)
+            if args[0].is_meta:
+                return checked(settings, args, kwargs)
+            w = args[2] if n > 2 else kwargs.get("weight") if kwargs else None
+            b = args[3] if n > 3 else kwargs.get("bias") if kwargs else None
+            if (w is not None and w.is_meta) or (b is not None and b.is_meta):
+                return checked(settings, args, kwargs)
+        except _ODD:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
 
 def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """cat / concat / concatenate(tensors, dim)."""
-    current, slow, rows = _context.current, engine.guarded_call, ki.ACTIVE_HOLDER
+    """cat / concat / concatenate(tensors, dim=0, *, out=None): every dtype is read, since a
+    promotion torch accepts is still reported; devices are left to torch, which raises."""
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        seq = args[0] if args else kwargs["tensors"]
+        if not isinstance(seq, (list, tuple)):  # never consume an iterator torch would reject
+            raise TypeError(type(seq).__name__)
+        return tuple(seq)
+
+    checked, uniform = _paths(spec, orig, pick)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        settings = current()
-        if settings.active:
-            try:
-                seq = args[0] if args else kwargs["tensors"]
-                if seq:
-                    first = seq[0]
-                    dt, dev = first.dtype, first.device
-                    if rows[0] and dev.type in rows[0]:
-                        return slow(spec, orig, settings, args, kwargs)
-                    for t in seq:
-                        if t.dtype is not dt or dev != t.device:
-                            return slow(spec, orig, settings, args, kwargs)
-            except (*_NOT_TENSOR, IndexError, KeyError):
-                return slow(spec, orig, settings, args, kwargs)
-        return orig(*args, **kwargs)
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(current(), args, kwargs)
+        settings = scoped() or glob[0]
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        try:
+            seq = args[0] if args else kwargs["tensors"]
+            dt = seq[0].dtype
+            for t in seq:
+                if t.dtype is not dt:
+                    return slow(spec, orig, settings, args, kwargs)
+        except _ODD:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
@@ -159,7 +338,9 @@ def _template(spec: OpSpec) -> Callable[[OpSpec, Wrapper], Wrapper]:
         return _attention
     if spec.kind == "norm":
         return _norm
-    return _two if len(spec.tensors) == 2 else _three
+    if spec.kind in ("linear", "conv"):
+        return _weighted
+    return _matmul if len(spec.tensors) == 2 else _addmm
 
 
 def _maker(spec: OpSpec) -> Callable[[Wrapper], Wrapper]:

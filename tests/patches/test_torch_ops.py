@@ -1,0 +1,194 @@
+"""The wrappers' paths: every calling convention reaches the same decision.
+
+Eager calls run first and ask only when torch raises (or an operand is on the
+meta device); the checked path asks first (tracing, ``dtype=`` policy, known-issue
+rows). These tests pin that the two agree, that keyword calls are fixed like
+positional ones, that torch's own errors come back untouched and run once, and
+that an out-of-memory error is never retried.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchfix
+from torchfix.guards.ops import SPECS
+from torchfix.patches import torch_ops
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _r(*shape, dtype=f32, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape) * 7 + shape[-1])).to(device=device, dtype=dtype)
+
+
+x, w, b = _r(3, 4, dtype=bf16), _r(5, 4, dtype=bf16), _r(5, dtype=bf16)
+img, kern, kb = _r(1, 2, 5, 5, dtype=bf16), _r(2, 2, 3, 3, dtype=bf16), _r(2, dtype=bf16)
+q, k, v = _r(1, 2, 4, 8, dtype=bf16), _r(1, 2, 6, 8, dtype=bf16), _r(1, 2, 6, 8, dtype=bf16)
+a, m2 = _r(3, 4, dtype=bf16), _r(4, 5, dtype=bf16)
+ba, bb, bc = _r(2, 3, 4, dtype=bf16), _r(2, 4, 5, dtype=bf16), _r(2, 3, 5, dtype=bf16)
+c = _r(3, 5, dtype=bf16)
+gx, gw = _r(2, 4, 3, 3, dtype=bf16), _r(4, dtype=bf16)
+
+
+def half(t):
+    return t.to(f16)
+
+
+def _autocast(fn, *args, **kwargs):
+    with torch.autocast("cpu", dtype=bf16):  # fp16 + bf16 in a cat raises only under autocast
+        return fn(*args, **kwargs)
+
+
+# (op, convention, call with one fp16 operand torch rejects, the same call written positionally,
+#  the result's dtype: activations win over parameters; the matmul family promotes two
+#  activations, unless out= names the dtype)
+REJECTED = [
+    ("F.linear", "bias=", lambda: F.linear(x, w, bias=half(b)), lambda: F.linear(x, w, half(b)), bf16),
+    ("F.linear", "input=, weight=", lambda: F.linear(input=x, weight=half(w)), lambda: F.linear(x, half(w)), bf16),
+    ("F.linear", "positional", lambda: F.linear(x, half(w), b), lambda: F.linear(x, half(w), b), bf16),
+    (
+        "F.conv2d",
+        "bias=, padding=",
+        lambda: F.conv2d(img, half(kern), bias=kb, padding=1),
+        lambda: F.conv2d(img, half(kern), kb, 1, 1),
+        bf16,
+    ),
+    ("torch.matmul", "out=", lambda: torch.matmul(a, half(m2), out=torch.empty(3, 5, dtype=bf16)), None, bf16),
+    ("torch.mm", "mat2=", lambda: torch.mm(a, mat2=half(m2)), lambda: torch.mm(a, half(m2)), f32),
+    ("torch.addmm", "beta=, alpha=", lambda: torch.addmm(c, a, half(m2), beta=0.5, alpha=2.0), None, f32),
+    ("torch.baddbmm", "beta=0, alpha=", lambda: torch.baddbmm(bc, ba, half(bb), beta=0, alpha=0.5), None, f32),
+    ("Tensor.bmm", "method", lambda: ba.bmm(half(bb)), lambda: torch.bmm(ba, half(bb)), f32),
+    (
+        "F.scaled_dot_product_attention",
+        "attn_mask=, dropout_p=, is_causal=, scale=",
+        lambda: F.scaled_dot_product_attention(q, half(k), v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=0.3),
+        lambda: F.scaled_dot_product_attention(q, half(k), v, None, 0.0, False, scale=0.3),
+        bf16,
+    ),
+    (
+        "F.group_norm",
+        "weight=, bias=, eps=",
+        lambda: F.group_norm(gx, 2, weight=half(gw), bias=half(gw), eps=1e-5),
+        lambda: F.group_norm(gx, 2, half(gw), half(gw), 1e-5),
+        bf16,
+    ),
+    (
+        "F.layer_norm",
+        "weight=, bias=",
+        lambda: F.layer_norm(x, (4,), weight=half(_r(4)), bias=half(_r(4))),
+        lambda: F.layer_norm(x, (4,), half(_r(4)), half(_r(4))),
+        bf16,
+    ),
+    (
+        "torch.cat",
+        "tensors=, dim=, under bf16 autocast",
+        lambda: _autocast(torch.cat, tensors=[x, half(x)], dim=1),
+        lambda: _autocast(torch.cat, [x, half(x)], 1),
+        bf16,
+    ),
+]
+
+
+@pytest.mark.parametrize(("op", "convention", "call", "positional", "dtype"), REJECTED, ids=[f"{r[0]}[{r[1]}]" for r in REJECTED])
+def test_every_convention_is_fixed_like_the_positional_call(op, convention, call, positional, dtype):
+    with pytest.raises(RuntimeError):
+        call()  # plain torch rejects each of these mixes
+    with torchfix.enabled("fix"):
+        got = call()
+        events = list(torchfix.report().events)
+        torchfix.report().clear()
+        if positional is not None:
+            want = positional()
+            assert len(torchfix.report().events) == len(events)
+    assert events and all(e.guard == "dtype" for e in events), events
+    assert {e.op for e in events} <= {op, "torch.ops.torchfix.matmul"} or events[0].op == op
+    assert got.dtype == dtype
+    if positional is not None:
+        assert torch.equal(got, want)
+    with torchfix.enabled("strict"), pytest.raises(torchfix.DtypeMismatchError, match=op.rsplit(".", 1)[-1]):
+        call()
+
+
+# One operand on the meta device next to real tensors: torch computes garbage for some of
+# these (a CPU result with no data), raises for others; the device guard names it first.
+META = [
+    ("F.linear weight", lambda d: F.linear(x, w.to(d))),
+    ("F.linear bias=", lambda d: F.linear(x, w, bias=b.to(d))),
+    ("F.conv2d bias", lambda d: F.conv2d(img, kern, kb.to(d))),
+    ("torch.mm", lambda d: torch.mm(a, m2.to(d))),
+    ("torch.bmm first", lambda d: torch.bmm(ba.to(d), bb)),
+    ("torch.addmm mat2", lambda d: torch.addmm(c, a, m2.to(d))),
+    ("torch.baddbmm", lambda d: torch.baddbmm(bc, ba, bb.to(d), beta=0.5)),
+    ("a @ b", lambda d: a @ m2.to(d)),
+    ("sdpa attn_mask=", lambda d: F.scaled_dot_product_attention(q, k, v, attn_mask=_r(4, 6, dtype=bf16).to(d))),
+    ("group_norm weight=", lambda d: F.group_norm(gx, 2, weight=gw.to(d))),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), META, ids=[m[0] for m in META])
+def test_a_meta_operand_is_named_before_the_call(name, call):
+    call("cpu")  # valid on one device
+    with torchfix.enabled("fix"), pytest.raises(torchfix.DeviceMismatchError, match="meta"):
+        call("meta")
+
+
+class _Count(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._C._nn.linear or getattr(func, "__name__", "") == "linear":
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_own_error_on_uniform_inputs_runs_once_and_propagates_untouched():
+    wrong = _r(5, 7, dtype=bf16)  # shapes do not fit: torch's error, not torchfix's
+    with pytest.raises(RuntimeError) as plain:
+        F.linear(x, wrong)
+    with torchfix.enabled("fix"), _Count() as counted, pytest.raises(RuntimeError) as guarded:
+        F.linear(x, wrong, bias=None)
+    assert counted.calls == 1
+    assert type(guarded.value) is type(plain.value) and str(guarded.value) == str(plain.value)
+    assert guarded.value.__context__ is None and guarded.value.__cause__ is None
+    assert torchfix.report().events == []
+
+
+def test_out_of_memory_is_never_retried():
+    calls = []
+
+    def fake_linear(*args, **kwargs):
+        calls.append(args)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    wrapper = torch_ops._weighted(SPECS["F.linear"], fake_linear)
+    with torchfix.enabled("fix"), pytest.raises(torch.OutOfMemoryError):
+        wrapper(x, half(w))  # a mix the slow path would fix: still one call
+    assert len(calls) == 1
+
+
+def test_dtype_policy_changes_only_the_cat_promotion_it_asks_about():
+    mask = _r(4, 6)  # float32 mask with bf16 q/k/v: accepted by torch, left alone even under dtype=
+    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for kw in ({}, {"dtype": bf16}):
+        with torchfix.enabled("fix", **kw):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), plain)
+    assert torchfix.report().events == []
+    with torchfix.enabled("fix", dtype=bf16):
+        asked = torch.cat(tensors=[x, x.float()], dim=0)  # torch promotes to fp32; dtype= asks for bf16
+    assert asked.dtype == bf16 and torch.equal(asked, torch.cat([x, x]))
+    assert [(e.op, e.action) for e in torchfix.report().events] == [("torch.cat", "cast")]
+
+
+def test_non_strict_export_sees_the_mix_that_fake_tensors_accept():
+    """Fake tensors accept F.linear(bf16, fp16): under torch.export the wrappers ask first."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(bf16), torch.nn.Linear(4, 2).to(f16))
+    with torchfix.enabled("fix"), torch.no_grad():
+        ep = torch.export.export(model, (x,), strict=False)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert any("_to_copy" in t for t in targets), targets
+    assert torch.equal(ep.module()(x), F.linear(model[0](x), model[1].weight.to(bf16), model[1].bias.to(bf16)))
