@@ -112,27 +112,48 @@ def test_every_convention_is_fixed_like_the_positional_call(op, convention, call
         call()
 
 
-# One operand on the meta device next to real tensors: torch computes garbage for some of
-# these (a CPU result with no data), raises for others; the device guard names it first.
-META = [
-    ("F.linear weight", lambda d: F.linear(x, w.to(d))),
-    ("F.linear bias=", lambda d: F.linear(x, w, bias=b.to(d))),
-    ("F.conv2d bias", lambda d: F.conv2d(img, kern, kb.to(d))),
-    ("torch.mm", lambda d: torch.mm(a, m2.to(d))),
-    ("torch.bmm first", lambda d: torch.bmm(ba.to(d), bb)),
-    ("torch.addmm mat2", lambda d: torch.addmm(c, a, m2.to(d))),
-    ("torch.baddbmm", lambda d: torch.baddbmm(bc, ba, bb.to(d), beta=0.5)),
-    ("a @ b", lambda d: a @ m2.to(d)),
-    ("sdpa attn_mask=", lambda d: F.scaled_dot_product_attention(q, k, v, attn_mask=_r(4, 6, dtype=bf16).to(d))),
-    ("group_norm weight=", lambda d: F.group_norm(gx, 2, weight=gw.to(d))),
-]
+# Every op with a meta tensor in each position in turn, next to real tensors. torch computes
+# garbage (a CPU result with no data) for some positions, a meta result for others, and raises
+# for the rest; the wrappers read is_meta only where torch does not raise. Whichever way, the
+# device guard must name the meta operand: a new torch that stops raising somewhere fails here.
+# Lambdas: the attribute is looked up at call time (the patched one inside enabled()).
+META_OPS = {
+    "torch.matmul": ([(4, 4), (4, 4)], lambda a, b: torch.matmul(a, b)),
+    "a @ b": ([(2, 4, 4), (4, 4)], lambda a, b: a @ b),
+    "torch.mm": ([(4, 4), (4, 4)], lambda a, b: torch.mm(a, b)),
+    "Tensor.mm": ([(4, 4), (4, 4)], lambda a, b: a.mm(b)),
+    "torch.bmm": ([(2, 4, 4), (2, 4, 4)], lambda a, b: torch.bmm(a, b)),
+    "torch.addmm": ([(4,), (4, 4), (4, 4)], lambda c, a, b: torch.addmm(c, a, b)),
+    "Tensor.addmm": ([(4, 4), (4, 4), (4, 4)], lambda c, a, b: c.addmm(a, b, beta=0.5)),
+    "torch.baddbmm": ([(2, 4, 4), (2, 4, 4), (2, 4, 4)], lambda c, a, b: torch.baddbmm(c, a, b)),
+    "F.linear": ([(4, 4), (4, 4), (4,)], lambda *t: F.linear(*t)),
+    "F.linear(bias=)": ([(2, 4, 4), (4, 4), (4,)], lambda x, w, b: F.linear(x, w, bias=b)),
+    "F.linear(x, w)": ([(4, 4), (4, 4)], lambda *t: F.linear(*t)),
+    "F.conv1d": ([(1, 2, 5), (2, 2, 1), (2,)], lambda *t: F.conv1d(*t)),
+    "F.conv2d(bias=)": ([(1, 2, 5, 5), (2, 2, 3, 3), (2,)], lambda x, w, b: F.conv2d(x, w, bias=b, padding=1)),
+    "F.conv3d": ([(1, 2, 3, 3, 3), (2, 2, 1, 1, 1), (2,)], lambda *t: F.conv3d(*t)),
+    "sdpa": ([(1, 1, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8), (4, 4)], lambda *t: F.scaled_dot_product_attention(*t)),
+    "sdpa(attn_mask=)": (
+        [(1, 1, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8), (4, 4)],
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+    ),
+    "F.layer_norm": ([(2, 4), (4,), (4,)], lambda x, w, b: F.layer_norm(x, (4,), w, b)),
+    "F.group_norm(weight=, bias=)": ([(1, 4, 2, 2), (4,), (4,)], lambda x, w, b: F.group_norm(x, 2, weight=w, bias=b)),
+    "torch.cat": ([(2,), (2,)], lambda a, b: torch.cat([a, b])),
+}
+META = [(f"{op} #{i}", shapes, fn, i) for op, (shapes, fn) in META_OPS.items() for i in range(len(shapes))]
 
 
-@pytest.mark.parametrize(("name", "call"), META, ids=[m[0] for m in META])
-def test_a_meta_operand_is_named_before_the_call(name, call):
-    call("cpu")  # valid on one device
+@pytest.mark.parametrize(("name", "shapes", "fn", "position"), META, ids=[m[0] for m in META])
+def test_a_meta_operand_in_any_position_is_named(name, shapes, fn, position):
+    real = [_r(*shape) for shape in shapes]
+    fn(*real)  # valid on one device
+    mixed = [t.to("meta") if i == position else t for i, t in enumerate(real)]
     with torchfix.enabled("fix"), pytest.raises(torchfix.DeviceMismatchError, match="meta"):
-        call("meta")
+        fn(*mixed)
+    fn(*[t.to("meta") for t in real])  # all on meta: shape inference, left alone
+    with torchfix.enabled("fix"):
+        assert fn(*[t.to("meta") for t in real]).is_meta
 
 
 class _Count(torch.overrides.TorchFunctionMode):

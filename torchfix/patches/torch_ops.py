@@ -6,7 +6,12 @@ calls straight through. When on, eager calls take the *optimistic* path:
 
 1. A call with an operand on the meta device goes to the checked path: torch
    silently computes garbage for ``F.linear(cpu, meta_weight)`` and the like,
-   and the device guard must see it first.
+   and the device guard must see it first. Only the positions where torch
+   computes with a meta operand are read (``is_meta``, ~0.03 µs each); where
+   torch raises (sdpa's q/k/v, every norm operand, addmm's input and mat1,
+   linear's bias), step 3 hands the call to the device guard.
+   tests/patches/test_torch_ops.py puts a meta tensor in every position of
+   every op and checks that the device guard names it.
 2. Otherwise the original runs with the caller's own arguments. What torch
    accepts comes back exactly as torch computes it: that is the rule
    (docs/guide.md), and it costs no dtype or device reads at all.
@@ -162,6 +167,7 @@ def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
         return _by_name(args, kwargs, names)
 
     checked, uniform = _paths(spec, orig, pick)
+    batched = spec.family == "bmm"  # addmm raises for a meta input or mat1; baddbmm computes
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo() or compiler._is_compiling_flag:
@@ -170,7 +176,7 @@ def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
         if not settings.active or rows[0]:
             return checked(settings, args, kwargs)
         try:
-            if args[0].is_meta or args[1].is_meta or args[2].is_meta:
+            if args[2].is_meta or (batched and (args[0].is_meta or args[1].is_meta)):
                 return checked(settings, args, kwargs)
         except _ODD:
             return checked(settings, args, kwargs)
@@ -196,6 +202,7 @@ def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
         return x, args[1] if n > 1 else kwargs["weight"], kwargs.get("bias")
 
     checked, uniform = _paths(spec, orig, pick)
+    conv = spec.kind == "conv"  # F.linear raises for a meta bias; conv computes
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo() or compiler._is_compiling_flag:
@@ -206,9 +213,10 @@ def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
         try:
             if args[0].is_meta or args[1].is_meta:
                 return checked(settings, args, kwargs)
-            bias = args[2] if len(args) > 2 else kwargs.get("bias") if kwargs else None
-            if bias is not None and bias.is_meta:
-                return checked(settings, args, kwargs)
+            if conv:
+                bias = args[2] if len(args) > 2 else kwargs.get("bias") if kwargs else None
+                if bias is not None and bias.is_meta:
+                    return checked(settings, args, kwargs)
         except _ODD:
             return checked(settings, args, kwargs)
         try:
@@ -238,9 +246,7 @@ def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
         settings = scoped() or glob[0]
         if not settings.active or rows[0]:
             return checked(settings, args, kwargs)
-        try:
-            if args[0].is_meta or args[1].is_meta or args[2].is_meta:
-                return checked(settings, args, kwargs)
+        try:  # q, k or v on meta raise in torch; a meta mask computes
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask") if kwargs else None
             if mask is not None and mask.is_meta:
                 return checked(settings, args, kwargs)
@@ -273,17 +279,7 @@ def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
         settings = scoped() or glob[0]
         if not settings.active or rows[0]:
             return checked(settings, args, kwargs)
-        try:
-            # A meta operand goes to the device guard first, as in every other shape.
-            n = len(args)
-            if args[0].is_meta:
-                return checked(settings, args, kwargs)
-            w = args[2] if n > 2 else kwargs.get("weight") if kwargs else None
-            b = args[3] if n > 3 else kwargs.get("bias") if kwargs else None
-            if (w is not None and w.is_meta) or (b is not None and b.is_meta):
-                return checked(settings, args, kwargs)
-        except _ODD:
-            return checked(settings, args, kwargs)
+        # A meta input, weight or bias raises in torch: nothing to read before the call.
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
