@@ -177,7 +177,21 @@ def test_bad_settings_are_clear_errors():
         torchfix.enable(device_policy="move")
     with pytest.raises(ValueError, match="not a floating dtype"):
         torchfix.enable(dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"guards=None is not valid.*\('dtype', 'device'\)"):
+        torchfix.enable(guards=None)
+    with pytest.raises(ValueError, match=r"guards=\(\) switches every guard off.*mode='off'"):
+        torchfix.enable(guards=())
+    with pytest.raises(ValueError, match=r"guards=\(\) switches every guard off"), torchfix.enabled(guards=()):
+        pass
     assert not leaked()
+
+
+def test_a_single_guard_name_is_one_guard():
+    """enable(guards="dtype") once split the string into letters: unknown guard(s) ['d', 'e', ...]."""
+    assert torchfix.enable(guards="dtype").guards == frozenset({"dtype"})
+    with torchfix.enabled(guards="device") as s:
+        assert s.guards == frozenset({"device"})
+    assert torchfix.enable(guards={"dtype", "stride"}).guards == frozenset({"dtype", "stride"})
 
 
 def _run(code: str, mode: str | None) -> subprocess.CompletedProcess:

@@ -79,5 +79,23 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'torchfix' has no attribute {name!r}")
 
 
-if env_mode() != "off":
-    enable(env_mode())
+def _under_cli() -> bool:
+    """The torchfix command (console script or ``python -m torchfix``) is importing the package."""
+    import itertools
+    import os
+    import sys
+
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return os.path.basename(sys.argv[0]) in ("torchfix", "torchfix.exe") or any(
+        a == "-m" and b == "torchfix" for a, b in itertools.pairwise(argv)
+    )
+
+
+try:
+    _mode = env_mode()
+except ValueError:
+    if not _under_cli():  # a script gets the error at import; the command says it without a traceback
+        raise
+    _mode = "off"
+if _mode != "off":
+    enable(_mode)

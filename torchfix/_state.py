@@ -73,7 +73,9 @@ def enable(
     >>> torchfix.disable()
     """
     kernels = env_kernels() if kernels is None else kernels
-    settings = Settings(mode=mode, guards=tuple(guards), dtype=dtype, device_policy=device_policy, kernels=kernels)
+    # Settings validates and normalises guards (a single name, a tuple, a set); no tuple() here,
+    # which would split "dtype" into letters and turn None into a bare TypeError.
+    settings = Settings(mode=mode, guards=guards, dtype=dtype, device_policy=device_policy, kernels=kernels)
     with _lock:
         was_on = _context.get_global() is not OFF
         if settings.mode == "off":
@@ -134,7 +136,7 @@ def enabled(
     base = outer if outer.active else Settings(kernels=env_kernels())
     settings = Settings(
         mode=base.mode if mode is None else mode,
-        guards=base.guards if guards is None else tuple(guards),
+        guards=base.guards if guards is None else guards,
         dtype=base.dtype if dtype is None else dtype,
         device_policy=base.device_policy if device_policy is None else device_policy,
         kernels=base.kernels if kernels is None else kernels,

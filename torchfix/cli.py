@@ -53,6 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     code = 0
     try:
         if args.module is not None:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: a module in the current directory imports
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         else:
             if not os.path.exists(args.script):
@@ -64,6 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: the traceback and exit status Python itself gives (128 + SIGINT)
+        traceback.print_exc()
+        code = 130
     except BaseException:  # the script's error is shown as Python would, never swallowed
         traceback.print_exc()
         code = 1
@@ -111,6 +115,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             here = "IN FORCE HERE" if e.device_type in usable else "in force, device absent"
         span = f"torch {e.torch_min or '*'}..{e.torch_max or 'open'}"
         print(f"  {e.device_type:4s} {e.issue:24s} {','.join(e.ops):22s} {e.workaround:10s} {span:20s} {here}")
+    env_error = _env_error()
+    if env_error is not None:
+        print(f"\nmode from TORCHFIX_MODE: INVALID: {env_error}")
+        return 2
     print(f"\nmode from TORCHFIX_MODE: {os.environ.get('TORCHFIX_MODE', 'fix (default)')}")
     return 0
 
@@ -199,6 +207,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _env_error() -> str | None:
+    """What is wrong with TORCHFIX_MODE, if anything (importing torchfix under the CLI defers the error here)."""
+    from .config import env_mode
+
+    try:
+        env_mode()
+    except ValueError as exc:
+        return str(exc).removeprefix("torchfix: ")
+    return None
+
+
+def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
+    """``run [--mode M] (SCRIPT | -m MODULE) ARGS...``: torchfix's options come before the target;
+    everything after the target belongs to it (``run train.py -m resnet`` runs train.py with ``-m resnet``)."""
+    mode, i = "fix", 0
+    while i < len(rest) and rest[i].startswith("-") and rest[i] != "-m":
+        option = rest[i]
+        if option in ("-h", "--help"):
+            parser.parse_args(["run", "--help"])  # prints the help and exits 0
+        if option == "--mode" and i + 1 < len(rest):
+            mode, i = rest[i + 1], i + 2
+        elif option.startswith("--mode="):
+            mode, i = option.split("=", 1)[1], i + 1
+        else:
+            parser.error(f"run: unknown option {option!r} before the script; torchfix run takes --mode, then SCRIPT or -m MODULE")
+    if mode not in ("fix", "warn", "strict"):
+        parser.error(f"run: --mode {mode!r} is not valid; use fix, warn or strict")
+    module = script = None
+    if i < len(rest) and rest[i] == "-m":
+        if i + 1 >= len(rest):
+            parser.error("run: -m needs a MODULE")
+        module, i = rest[i + 1], i + 2
+    elif i < len(rest):
+        script, i = rest[i], i + 1
+    return argparse.Namespace(fn=cmd_run, command="run", mode=mode, module=module, script=script, args=rest[i:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchfix`` console script.
 
@@ -207,13 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv and argv[0] == "run" and "-m" in argv[1:]:
-        # `run [--mode M] -m MODULE ARGS...`: everything after MODULE belongs to it
-        i = argv.index("-m", 1)
-        head, module, rest = argv[: i + 2], argv[i + 1 : i + 2], argv[i + 2 :]
-        args = parser.parse_args(head)
-        args.module = module[0] if module else None
-        args.script, args.args = None, rest
+    env_error = _env_error()
+    if env_error is not None and argv[:1] != ["doctor"]:
+        print(f"torchfix: {env_error}", file=sys.stderr)
+        return 2
+    if argv[:1] == ["run"]:
+        args = _parse_run(parser, argv[1:])
     else:
         args = parser.parse_args(argv)
     return int(args.fn(args) or 0)

@@ -92,10 +92,18 @@ class Settings:
         try:
             guards = frozenset(guards)
         except TypeError:
-            raise TypeError(f"torchfix: guards={self.guards!r} must be a tuple of names from {GUARDS}.") from None
-        unknown = sorted(g for g in guards if g not in GUARDS)
+            raise TypeError(
+                f"torchfix: guards={self.guards!r} is not valid; pass a name or a tuple of names from {GUARDS}, "
+                f"e.g. guards=('dtype', 'device')."
+            ) from None
+        unknown = sorted(map(str, (g for g in guards if g not in GUARDS)))
         if unknown:
-            raise ValueError(f"torchfix: unknown guard(s) {unknown}; choose from {GUARDS}.")
+            raise ValueError(f"torchfix: guards={self.guards!r} names unknown guard(s) {unknown}; choose from {GUARDS}.")
+        if not guards and self.mode != "off":
+            raise ValueError(
+                f"torchfix: guards={self.guards!r} switches every guard off with mode={self.mode!r}; "
+                "name at least one of 'dtype', 'device', 'stride', or use mode='off' / torchfix.disable()."
+            )
         object.__setattr__(self, "guards", guards)
         object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
         # Derived once so the per-call paths read plain booleans (also what dynamo traces best).

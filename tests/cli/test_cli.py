@@ -73,6 +73,45 @@ def test_run_module(tmp_path):
     assert "OUT torch.float32 ['a', '--b']" in r.stdout
 
 
+def test_run_everything_after_the_script_belongs_to_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(MIXED)
+    r = torchfix("run", "--mode", "warn", str(script), "--n", "2", "-m", "resnet", "--mode", "x")
+    assert r.returncode == 0, r.stderr
+    assert "OUT torch.float32 ['--n', '2', '-m', 'resnet', '--mode', 'x']" in r.stdout
+    bad = torchfix("run", "--frobnicate", str(script))
+    assert bad.returncode == 2 and "unknown option '--frobnicate'" in bad.stderr
+
+
+def test_console_script_runs_a_module_from_the_current_directory(tmp_path):
+    (tmp_path / "localmod.py").write_text(MIXED)
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHFIX_MODE", "PYTHONPATH")}
+    r = subprocess.run(
+        [str(BIN / "torchfix"), "run", "-m", "localmod", "x"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert "OUT torch.float32 ['x']" in r.stdout
+
+
+def test_ctrl_c_exits_130(tmp_path):
+    (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")
+    r = torchfix("run", str(tmp_path / "interrupted.py"))
+    assert r.returncode == 130 and "KeyboardInterrupt" in r.stderr
+
+
+def test_bad_torchfix_mode_is_a_message_not_a_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}
+    env["TORCHFIX_MODE"] = "garbage"
+    for cmd in ([sys.executable, "-m", "torchfix", "doctor"], [str(BIN / "torchfix"), "doctor"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "TORCHFIX_MODE='garbage' is not valid" in r.stdout and "strict" in r.stdout
+    (tmp_path / "ok.py").write_text("print('ran')\n")
+    r = subprocess.run([str(BIN / "torchfix"), "run", str(tmp_path / "ok.py")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "TORCHFIX_MODE='garbage' is not valid" in r.stderr
+    assert "ran" not in r.stdout
+
+
 def test_run_without_a_target():
     assert torchfix("run").returncode == 2
 
