@@ -13,7 +13,7 @@ import torch
 
 from .config import OFF, Settings
 
-__all__ = ["current", "get_global", "pop_scoped", "push_scoped", "scoped", "set_global"]
+__all__ = ["GLOBAL", "current", "get_global", "pop_scoped", "push_scoped", "scoped", "set_global"]
 
 scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("torchfix_settings", default=None)
 _global: Settings = OFF
