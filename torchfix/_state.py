@@ -163,14 +163,16 @@ class Status:
     global_settings: Settings
     scoped_blocks: int
     patched: tuple[str, ...]
-    known_issues: tuple[str, ...] = field(default=())
+    known_issues: tuple[ki.RowState, ...] = field(default=())
 
     def __str__(self) -> str:
         lines = [
             f"torchfix: {'on' if self.enabled else 'off'} here ({self.settings.describe()})",
             f"  global: {self.global_settings.describe()}; scoped blocks alive: {self.scoped_blocks}",
             f"  patched ({len(self.patched)}): {', '.join(self.patched) if self.patched else 'nothing'}",
-            f"  known-issue rows in force for torch {ki.TORCH_VERSION}: {', '.join(self.known_issues) if self.known_issues else 'none'}",
+            f"  known-issue rows (torch {ki.TORCH_VERSION}, macOS {ki.OS_VERSION or '-'}; upper ends exclusive), "
+            f"{sum(r.in_force for r in self.known_issues)} of {len(self.known_issues)} in force here:",
+            *(f"    {r}" for r in self.known_issues),
         ]
         return "\n".join(lines)
 
@@ -186,5 +188,5 @@ def status() -> Status:
         glob = _context.get_global()
         scoped = _holders - (0 if glob is OFF else 1)
         s = current()
-        rows = tuple(f"{e.device_type}:{e.issue}" for e in ki.entries() if e.applies_to(e.device_type, ki.TORCH_VERSION, ki.OS_VERSION))
+        rows = tuple(ki.states())
         return Status(s.active, s, glob, scoped, tuple(patches.installed()), rows)

@@ -105,16 +105,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"        {b.note}")
     if os.environ.get("TORCHFIX_DISABLE_KERNELS"):
         print("  routing to the kernels is OFF (TORCHFIX_DISABLE_KERNELS is set)")
-    print(f"\nknown issues (torch {ki.TORCH_VERSION}, macOS {ki.OS_VERSION or '-'})")
-    usable = {"cpu"} | ({"cuda"} if torch.cuda.is_available() else set()) | ({"mps"} if torch.backends.mps.is_available() else set())
-    for e in ki.entries():
-        in_force = e.applies_to(e.device_type, ki.TORCH_VERSION, ki.OS_VERSION)
-        if not in_force:
-            here = "not for this torch"
-        else:
-            here = "IN FORCE HERE" if e.device_type in usable else "in force, device absent"
-        span = f"torch {e.torch_min or '*'}..{e.torch_max or 'open'}"
-        print(f"  {e.device_type:4s} {e.issue:24s} {','.join(e.ops):22s} {e.workaround:10s} {span:20s} {here}")
+    print(f"\nknown issues (torch {ki.TORCH_VERSION}, macOS {ki.OS_VERSION or '-'}; upper ends exclusive)")
+    for r in ki.states():
+        here = "IN FORCE HERE" if r.in_force else "not in force"
+        print(f"  {r.device_type:4s} {r.issue:23s} {','.join(r.ops):16s} {r.torch_range:27s} {r.os_range:20s} {here}")
+        print(f"        {r.reason}")
     env_error = _env_error()
     if env_error is not None:
         print(f"\nmode from TORCHFIX_MODE: INVALID: {env_error}")

@@ -157,6 +157,12 @@ def _requested_dtype(spec: OpSpec, settings: Settings, kwargs: Mapping[str, Any]
     return settings.dtype
 
 
+def _with_out(tensors: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+    """The operands, plus an ``out=`` tensor when one is given (known-issue rows can name it)."""
+    out = kwargs.get("out")
+    return {**tensors, "out": out} if isinstance(out, torch.Tensor) else tensors
+
+
 def _is_param(t: torch.Tensor, chain: Sequence[torch.nn.Module] | None) -> bool:
     """A parameter, or a buffer of a module being run: it follows the activations."""
     if isinstance(t, torch.nn.Parameter):
@@ -261,7 +267,11 @@ def _apply(bound: _Bound, action: Action) -> None:
         elif kind == "cpu":
             new = t.cpu()
         else:  # contiguous; a "kernel" row that could not be routed copies too
+            # Fresh memory even where the operand counts as contiguous: a row slice with a
+            # storage offset is contiguous, and it is the offset the backend gets wrong.
             new = t.contiguous()
+            if new is t:
+                new = t.clone(memory_format=torch.contiguous_format)
     elif isinstance(action.to, torch.dtype):  # cast / upcast / promote
         # aten._to_copy, not Tensor.to: the same result, and in an exported graph it marks
         # the casts torchfix inserted apart from the model's own .to() calls (torchfix.audit reads that).
@@ -273,15 +283,24 @@ def _apply(bound: _Bound, action: Action) -> None:
 
 def _stride_post(finding: Finding, before: Mapping[str, torch.Tensor]) -> Callable[[Any], Any] | None:
     kinds = {a.action for a in finding.actions}
-    floats = [t for t in before.values() if t.is_floating_point()]
-    if not floats:
+    operands = [t for n, t in before.items() if n != "out"]
+    if not operands:
         return None
-    dtype, dev = floats[0].dtype, floats[0].device
     if "cpu" in kinds:
+        dev = operands[0].device
         return lambda out: out.to(dev) if isinstance(out, torch.Tensor) else out
-    if "upcast" in kinds:
+    floats = [t for t in operands if t.is_floating_point()]
+    if "upcast" in kinds and floats:
+        dtype = floats[0].dtype
         return lambda out: out.to(dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
     return None
+
+
+def _take_out(bound: _Bound) -> Callable[[Any], Any]:
+    """Run without the caller's ``out=`` and copy the result into it (a strided ``out=`` row)."""
+    out = bound.kwargs.pop("out")
+    bound.tensors.pop("out", None)
+    return lambda result: out.copy_(result)
 
 
 def _record(
@@ -310,7 +329,7 @@ def _raise(
 ) -> Any:
     site = _frames.call_site(1)
     module = _frames.module_path(chain if chain is not None else _frames.module_chain(1))
-    text = error_message(spec.name, finding, bound.tensors, site=site, module=module, mode=settings.mode)
+    text = error_message(spec.name, finding, _with_out(bound.tensors, bound.kwargs), site=site, module=module, mode=settings.mode)
     err = _ERRORS[finding.guard](text)
     if finding.torch_raises:
         try:
@@ -502,7 +521,7 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             key = (*key[:2], signature, *key[3:8], keep)
             findings = list(_decide_dtype_device(*key))
     if settings.stride_on and not compiling and first.device.type in ki.ACTIVE_DEVICE_TYPES:
-        f = stride_guard.decide(spec.family, tensors, device_type=first.device.type)
+        f = stride_guard.decide(spec.family, _with_out(tensors, kwargs), device_type=first.device.type)
         if f is not None:
             findings.append(f)
     notes = [f for f in findings if f.advisory]
@@ -534,10 +553,10 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             if compiling:
                 return _raise_compiled(spec, settings, findings.index(finding), findings, bound, orig, key)
             return _raise(spec, settings, finding, bound, orig, chain)
-        before = dict(bound.tensors)
+        before = dict(_with_out(bound.tensors, bound.kwargs) if finding.guard == "stride" else bound.tensors)
         if finding.guard == "stride" and len(findings) > 1:
             # Re-check on the already cast/moved tensors: a cast copy is contiguous now.
-            rechecked = stride_guard.decide(spec.family, bound.tensors, device_type=first.device.type)
+            rechecked = stride_guard.decide(spec.family, _with_out(bound.tensors, bound.kwargs), device_type=first.device.type)
             if rechecked is None:
                 continue
             finding = rechecked
@@ -546,7 +565,10 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             if fn is not None:
                 post.append(fn)
         for action in finding.actions:
-            _apply(bound, action)
+            if action.operand == "out":
+                post.append(_take_out(bound))
+            else:
+                _apply(bound, action)
         if not compiling:
             if chain is None:
                 chain = _frames.module_chain(1)

@@ -37,8 +37,10 @@ def decide(
     for entry, names in matches:
         if entry.workaround == "contiguous":
             targets = names
-        else:  # upcast / cpu / kernel act on every floating operand
-            targets = tuple(n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point())
+        elif entry.workaround == "cpu":  # every operand goes to the CPU (an out= tensor stays)
+            targets = tuple(n for n, t in tensors.items() if isinstance(t, torch.Tensor) and n != "out")
+        else:  # upcast / kernel act on every floating operand
+            targets = tuple(n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point() and n != "out")
         for n in targets:
             if (entry.workaround, n) not in seen:
                 seen.add((entry.workaround, n))

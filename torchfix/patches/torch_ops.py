@@ -80,7 +80,7 @@ def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
 
 def _paths(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[..., Any], Callable[[tuple, dict], bool]]:
     """The checked path and the "is this call uniform?" question for one op."""
-    slow, rows = engine.guarded_call, ki.ACTIVE_HOLDER
+    slow, rows = engine.guarded_call, ki.holder(spec.family)
 
     def uniform(args: tuple, kwargs: dict) -> bool:
         try:
@@ -104,8 +104,9 @@ class _CompilingFlag:
         return torch.compiler.is_compiling()
 
 
-def _prologue() -> tuple[Any, ...]:
-    """What every wrapper holds in its closure (closure cells are the cheapest reads)."""
+def _prologue(spec: OpSpec) -> tuple[Any, ...]:
+    """What every wrapper holds in its closure (closure cells are the cheapest reads); the
+    last item holds the device types with a known-issue row in force for ``spec``'s family."""
     return (
         # ``dynamo() or compiler._is_compiling_flag`` is torch.compiler.is_compiling() without
         # its torch.jit.is_scripting() call (~0.04 µs; scripted code never reaches a Python
@@ -119,7 +120,7 @@ def _prologue() -> tuple[Any, ...]:
         _context.scoped.get,
         _context.GLOBAL,
         engine.guarded_call,
-        ki.ACTIVE_HOLDER,
+        ki.holder(spec.family),
     )
 
 
@@ -129,7 +130,7 @@ def _by_name(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:
 
 def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """matmul / mm / bmm and their Tensor methods: two tensors (``out=`` passes through)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
     names = spec.params[:2]
 
     def pick(args: tuple, kwargs: dict) -> tuple:
@@ -160,7 +161,7 @@ def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """addmm / baddbmm and their Tensor methods: three tensors (``beta=``, ``alpha=``, ``out=`` pass through)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
     names = spec.params[:3]
 
     def pick(args: tuple, kwargs: dict) -> tuple:
@@ -192,7 +193,7 @@ def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """linear / conv: (input, weight, bias=None, options...), any of them by keyword."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
 
     def pick(args: tuple, kwargs: dict) -> tuple:
         n = len(args)
@@ -231,7 +232,7 @@ def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, ...)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
     names = ("query", "key", "value")
 
     def pick(args: tuple, kwargs: dict) -> tuple:
@@ -264,7 +265,7 @@ def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """layer_norm / group_norm: (input, shape-or-groups, weight=None, bias=None, eps=...)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
 
     def pick(args: tuple, kwargs: dict) -> tuple:
         n = len(args)
@@ -293,7 +294,7 @@ def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
 def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """cat / concat / concatenate(tensors, dim=0, *, out=None): every dtype is read, since a
     promotion torch accepts is still reported; devices are left to torch, which raises."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue()
+    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
 
     def pick(args: tuple, kwargs: dict) -> tuple:
         seq = args[0] if args else kwargs["tensors"]
