@@ -8,7 +8,48 @@ import torch
 import torchfix
 from torchfix.audit import AuditError
 
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda: torchfix.audit(lambda x: x, torch.randn(2)), TypeError, r"model must be a torch.nn.Module .* got function"),
+        (
+            lambda: torchfix.audit(torch.nn.Linear(2, 2), torch.randn(1, 2), backend="tpu"),
+            ValueError,
+            r"backend='tpu' .* allowed: 'cpu', 'cuda', 'mps'",
+        ),
+        (
+            lambda: torchfix.audit(torch.nn.Linear(2, 2), torch.randn(1, 2), torch_version="banana"),
+            ValueError,
+            r"torch_version='banana' is not a version",
+        ),
+        (
+            lambda: torchfix.audit(torch.nn.Linear(2, 2), torch.randn(1, 2), os_version="fifteen"),
+            ValueError,
+            r"os_version='fifteen' is not a version",
+        ),
+        (
+            lambda: torchfix.audit(torch.nn.Linear(2, 2), torch.randn(1, 2), torch_version=2.13),
+            TypeError,
+            r"torch_version must be a version string",
+        ),
+    ],
+)
+def test_bad_arguments_are_named_before_anything_is_traced(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 pytest.importorskip("torch_mlir", reason="torch-mlir is the `audit` extra")
+
+
+def test_a_bf16_model_with_a_stray_fp16_layer():
+    """Needs ml_dtypes (in the audit and dev extras): torch-mlir imports bf16 constants through it."""
+    model = named(encoder=torch.nn.Linear(8, 8), head=torch.nn.Linear(8, 4).half()).to(torch.bfloat16)
+    model.head.half()
+    report = torchfix.audit(model, torch.randn(2, 8, dtype=torch.bfloat16))
+    assert hazards(report) == [("head", "aten.linear", "mixed-dtype")]
+    assert "bf16[2,8]" in report.findings[0].detail and "f16[4,8] → bf16" in report.findings[0].detail
 
 
 def named(**modules: torch.nn.Module) -> torch.nn.Sequential:

@@ -276,5 +276,27 @@ def test_bad_arguments():
     assert isinstance(torchfix.wrap(torchfix.wrap(tiny_sd15_pipeline())), StableDiffusionPipeline)
 
 
+def test_a_deepcache_branch_the_unet_lacks_is_refused_at_wrap():
+    pipe = tiny_sd15_pipeline()
+    with pytest.raises(ValueError, match=r"wrap\(deepcache=DeepCacheConfig\(.*branch=99.*has \d+ skip connections \(branch 0\.\.\d+\)"):
+        torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(branch=99))
+    assert torchfix.deepcache.state_of(pipe) is None  # nothing applied
+
+
+def test_deepcache_on_a_transformer_pipeline_is_an_error_not_a_silent_no_op():
+    class FluxLike:  # a pipeline whose denoiser is a transformer
+        transformer = torch.nn.Linear(2, 2)
+
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"denoises with a transformer \(Linear\)"):
+        torchfix.deepcache.check(FluxLike(), torchfix.DeepCacheConfig())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_is_refused_at_wrap():
+    with pytest.raises(ValueError, match=r"wrap\(device='cuda:0'\): that device cannot be used here: no CUDA device"):
+        torchfix.wrap(tiny_sd15_pipeline(), device="cuda:0")
+    assert torchfix.wrap(tiny_sd15_pipeline(), device="cpu:0") is not None
+
+
 def test_sdxl_isinstance():
     assert isinstance(torchfix.wrap(tiny_sdxl_pipeline()), StableDiffusionXLPipeline)

@@ -349,6 +349,27 @@ def _ir_findings(ops: dict[str, _IrOp]) -> list[AuditFinding]:
     return found
 
 
+def _check_arguments(model: Any, backend: str | None, torch_version: str | None, os_version: str | None) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"torchfix.audit: model must be a torch.nn.Module (it is exported with torch.export), got "
+            f"{type(model).__name__}; put the function in a Module's forward to audit it."
+        )
+    backends = sorted({e.device_type for e in ki.entries()} | {"cpu"})
+    if backend is not None and backend not in backends:
+        raise ValueError(
+            f"torchfix.audit: backend={backend!r} is not a device type with known-issue rows; allowed: {', '.join(map(repr, backends))}, "
+            "or None to check none."
+        )
+    for name, value in (("torch_version", torch_version), ("os_version", os_version)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"torchfix.audit: {name} must be a version string such as '2.13.0', got {type(value).__name__}.")
+        try:
+            ki.parse_version(value, name)
+        except ValueError as exc:
+            raise ValueError(f"torchfix.audit: {str(exc).removeprefix('torchfix: ')}") from None
+
+
 def audit(
     model: torch.nn.Module,
     *example_inputs: Any,
@@ -368,6 +389,8 @@ def audit(
         os_version: macOS version for rows bounded by it (default: any).
 
     Raises:
+        TypeError: ``model`` is not a module.
+        ValueError: ``backend`` has no known-issue rows, or a version is not a version.
         AuditError: torch-mlir is not installed, or the model cannot be exported (the
             export error is the cause).
 
@@ -375,6 +398,7 @@ def audit(
     >>> torchfix.audit(torch.nn.Linear(4, 2), torch.randn(3, 4)).findings   # doctest: +SKIP
     []
     """
+    _check_arguments(model, backend, torch_version, os_version)
     try:
         from torch_mlir import fx as mlir_fx
     except ImportError as exc:

@@ -159,6 +159,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
     except AuditError as exc:
         print(f"{exc}\ncaused by: {exc.__cause__!r}", file=sys.stderr)
         return 2
+    except (TypeError, ValueError) as exc:
+        if not str(exc).startswith("torchfix.audit:"):  # the model's own error: never swallowed
+            raise
+        print(str(exc), file=sys.stderr)
+        return 2
     print(report.summary())
     if args.ir:
         print(report.ir)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceLike", "canonical", "same"]
+__all__ = ["DeviceLike", "backend_usable", "canonical", "same", "unusable_reason"]
 
 DeviceLike = Any  # str | int | torch.device | torch.Tensor | torch.nn.Module
 
@@ -35,6 +35,46 @@ def _current_index(device_type: str) -> int:
         except Exception:  # a backend that cannot answer means its default device
             return 0
     return 0
+
+
+def backend_usable(device_type: str) -> bool:
+    """Whether this process can run ops on ``device_type`` (asks without creating a CUDA context).
+
+    >>> backend_usable("cpu")
+    True
+    """
+    if device_type in ("cpu", "meta"):
+        return True
+    backend = getattr(torch.backends, device_type, None) if device_type == "mps" else getattr(torch, device_type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available):
+        return False
+    try:
+        return bool(is_available())
+    except RuntimeError as exc:  # a backend that cannot answer cannot run an op either
+        import logging
+
+        logging.getLogger("torchfix").debug("torchfix: %s.is_available() raised %s; treated as absent", device_type, exc)
+        return False
+
+
+def unusable_reason(device: DeviceLike) -> str | None:
+    """Why ``device`` cannot be used in this process, or ``None`` when it can.
+
+    >>> unusable_reason("cpu") is None
+    True
+    """
+    dev = canonical(device)
+    if dev.type == "meta":
+        return "meta holds no data"
+    if not backend_usable(dev.type):
+        if dev.type == "cuda":
+            return f"no CUDA device is usable (torch {torch.__version__} built {'with' if torch.version.cuda else 'without'} CUDA)"
+        return f"no {dev.type} device is usable in this process"
+    count = getattr(getattr(torch, dev.type, None), "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        return f"{dev.type} has {count()} device(s) here (index 0..{count() - 1})"
+    return None
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

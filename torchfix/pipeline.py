@@ -26,8 +26,9 @@ from ._context import current
 from ._report import FixEvent, report
 from ._state import enabled
 from .config import Settings
-from .deepcache import DeepCacheConfig
-from .devices import canonical
+from .deepcache import DeepCacheConfig, UnsupportedUNetError
+from .deepcache import check as deepcache_check
+from .devices import canonical, unusable_reason
 from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, TorchfixWarning
 from .guards.messages import dtype_name as _dt
 from .patches.instance import TensorHandle, swap_tensor
@@ -370,4 +371,16 @@ def wrap(
     if deepcache is not None and not isinstance(deepcache, DeepCacheConfig):
         raise TypeError(f"torchfix.wrap: deepcache must be a torchfix.DeepCacheConfig, got {type(deepcache).__name__}.")
     _modules(pipe)  # clear error for non-pipelines
+    if deepcache is not None:
+        try:
+            deepcache_check(pipe, deepcache)
+        except (ValueError, UnsupportedUNetError) as exc:
+            raise type(exc)(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
+    if device is not None:
+        why = unusable_reason(device)
+        if why is not None:
+            raise ValueError(
+                f"torchfix.wrap(device={device!r}): that device cannot be used here: {why}. Pass a device this machine has "
+                "(e.g. device='cpu'), or leave device out to keep the pipeline where it is."
+            )
     return PipelineProxy(pipe, settings=settings, dtype=parsed_dtype, device=device, deepcache_config=deepcache)

@@ -22,6 +22,7 @@ def test_defaults_and_exports():
         ({"stop": 1.5}, "stop"),
         ({"power": 0.5}, "power"),
         ({"num_steps": 0}, "num_steps"),
+        ({"num_steps": True}, r"num_steps=True must be a positive int"),
     ],
 )
 def test_validation_is_a_clear_value_error(kwargs, match):

@@ -7,7 +7,7 @@
 
 from .config import DeepCacheConfig, full_steps, is_full_step
 from .layout import Layout, UnsupportedUNetError, analyse
-from .runtime import DeepCacheState, apply, new_call, remove, state_of, stats
+from .runtime import DeepCacheState, apply, check, new_call, remove, state_of, stats
 
 __all__ = [
     "DeepCacheConfig",
@@ -16,6 +16,7 @@ __all__ = [
     "UnsupportedUNetError",
     "analyse",
     "apply",
+    "check",
     "full_steps",
     "is_full_step",
     "new_call",

@@ -75,7 +75,7 @@ class DeepCacheConfig:
             )
         if not self.power >= 1.0:
             raise ValueError(f"DeepCacheConfig.power={self.power} must be >= 1.0 (1.0 spaces full steps evenly).")
-        if self.num_steps is not None and (not isinstance(self.num_steps, int) or self.num_steps < 1):
+        if self.num_steps is not None and (not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1):
             raise ValueError(f"DeepCacheConfig.num_steps={self.num_steps!r} must be a positive int or None.")
 
 

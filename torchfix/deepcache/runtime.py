@@ -22,7 +22,7 @@ import torch
 
 from ..patches import instance
 from .config import DeepCacheConfig, is_full_step
-from .layout import Layout, analyse
+from .layout import Layout, UnsupportedUNetError, analyse
 from .shallow import shallow_forward
 
 __all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
@@ -73,9 +73,33 @@ def _resolve(target: Any) -> tuple[torch.nn.Module, Any]:
     unet = getattr(target, "unet", None)
     if isinstance(unet, torch.nn.Module):
         return unet, target
+    transformer = getattr(target, "transformer", None)
+    if isinstance(transformer, torch.nn.Module):
+        raise UnsupportedUNetError(
+            f"torchfix.deepcache: {type(target).__name__} denoises with a transformer ({type(transformer).__name__}), not a "
+            "UNet; torchfix's DeepCache supports UNet pipelines (SD1.x/2.x/SDXL) only for now. Leave deepcache out for this "
+            "pipeline."
+        )
     if isinstance(target, torch.nn.Module):
         return target, None
     raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline or its UNet, got {type(target).__name__}.")
+
+
+def check(target: Any, config: DeepCacheConfig) -> Layout:
+    """The UNet's skip layout, after checking that ``config`` fits it (``apply`` would succeed).
+
+    Raises:
+        UnsupportedUNetError: ``target`` has no UNet DeepCache can drive (a transformer pipeline).
+        ValueError: ``config.branch`` is not one of the UNet's skip connections.
+    """
+    unet, _ = _resolve(target)
+    layout = analyse(unet)
+    if config.branch >= layout.n_skips:
+        raise ValueError(
+            f"torchfix.deepcache: branch={config.branch} but {type(unet).__name__} has {layout.n_skips} skip connections "
+            f"(branch 0..{layout.n_skips - 1})."
+        )
+    return layout
 
 
 def state_of(target: Any) -> DeepCacheState | None:
@@ -238,12 +262,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState:
     if not isinstance(config, DeepCacheConfig):
         raise TypeError(f"torchfix.deepcache.apply: config must be a DeepCacheConfig, got {type(config).__name__}.")
     unet, pipe = _resolve(target)
-    layout = analyse(unet)
-    if config.branch >= layout.n_skips:
-        raise ValueError(
-            f"torchfix.deepcache: branch={config.branch} but {type(unet).__name__} has {layout.n_skips} skip connections "
-            f"(branch 0..{layout.n_skips - 1})."
-        )
+    layout = check(unet, config)
     if unet in _STATES:
         remove(unet)
     state = DeepCacheState(config, layout, unet.forward)

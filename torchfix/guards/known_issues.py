@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from packaging.version import InvalidVersion, Version
 
+from .. import devices
+
 __all__ = [
     "WORKAROUNDS",
     "KnownIssue",
@@ -462,20 +464,7 @@ _HOLDERS: dict[str, list[frozenset[str]]] = {}
 
 
 def _backend_usable(device_type: str) -> bool:
-    # Asks without initialising anything (no CUDA context is created).
-    if device_type in ("cpu", "meta"):
-        return True
-    backend = getattr(torch.backends, device_type, None) if device_type == "mps" else getattr(torch, device_type, None)
-    is_available = getattr(backend, "is_available", None)
-    if not callable(is_available):
-        return False
-    try:
-        return bool(is_available())
-    except RuntimeError as exc:  # a backend that cannot answer cannot run the op either
-        import logging
-
-        logging.getLogger("torchfix").debug("torchfix: %s.is_available() raised %s; treated as absent", device_type, exc)
-        return False
+    return devices.backend_usable(device_type)
 
 
 def in_force_here(entry: KnownIssue) -> tuple[bool, str]:
