@@ -51,9 +51,7 @@ def test_export_decomposes_to_aten():
 def test_torch_mlir_lowers_through_the_decomposition():
     fx = pytest.importorskip("torch_mlir.fx", reason="torch-mlir is the `audit` extra")
     a, b = inputs(2)
-    module = fx.export_and_import(
-        Attn(), a, b, output_type="linalg-on-tensors", decomposition_table=torchfix.kernels.DECOMPOSITIONS
-    )
+    module = fx.export_and_import(Attn(), a, b, output_type="linalg-on-tensors", decomposition_table=torchfix.kernels.DECOMPOSITIONS)
     text = str(module)
     assert "linalg.batch_matmul" in text or "linalg.matmul" in text
     assert "torch.operator" not in text

@@ -41,7 +41,6 @@ from .plan import Action, Finding, Operand
 __all__ = ["decide", "kept_in_fp32"]
 
 
-
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
