@@ -99,18 +99,22 @@ def tiny_vae(seed: int = 0) -> Any:
     ).eval()
 
 
-def _tiny_unet(seed: int, **config: Any) -> Any:
+def _tiny_unet(seed: int, heads: int = 4, **config: Any) -> Any:
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(seed)
-    base = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, attention_head_dim=4, norm_num_groups=4)
+    # diffusers' UNet2DConditionModel reads ``attention_head_dim`` as the number of heads
+    base = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, attention_head_dim=heads, norm_num_groups=4)
     return UNet2DConditionModel(**base, **config).eval()
 
 
-def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM) -> Any:
-    """SD1.5 layout: cross-attention at the highest resolution, 3 downsamplers."""
+def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM, heads: int = 4) -> Any:
+    """SD1.5 layout: cross-attention at the highest resolution, 3 downsamplers; ``heads``
+    attention heads per block (1 keeps 720x960 cheap: the softmax at the top level is
+    ``heads`` x (90*120)**2 per attention)."""
     return _tiny_unet(
         seed,
+        heads,
         block_out_channels=(8, 16, 16, 16),
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
@@ -146,15 +150,15 @@ def _scheduler(name: str) -> Any:
     return cls(**kwargs)
 
 
-def tiny_sd15_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0) -> Any:
-    """A StableDiffusionPipeline with tiny components (no safety checker)."""
+def tiny_sd15_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0, heads: int = 4) -> Any:
+    """A StableDiffusionPipeline with tiny components (no safety checker); ``heads`` as in :func:`tiny_sd15_unet`."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline(
         vae=tiny_vae(seed),
         text_encoder=tiny_text_encoder(seed=seed),
         tokenizer=clip_tokenizer(),
-        unet=tiny_sd15_unet(seed),
+        unet=tiny_sd15_unet(seed, heads=heads),
         scheduler=_scheduler(scheduler),
         safety_checker=None,
         feature_extractor=None,
