@@ -136,3 +136,21 @@ def test_unexportable_model_is_a_clear_error():
 def test_audit_leaves_torchfix_as_it_was():
     torchfix.audit(named(a=torch.nn.Linear(4, 4), b=torch.nn.Linear(4, 2).half()), torch.randn(2, 4))
     assert not torchfix.is_enabled() and not torchfix.report().events
+
+
+class _Autocast(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = self.a(x) + x  # linear runs in bf16 under autocast; the add then widens it back to f32
+        return self.b(z)
+
+
+def test_autocast_regions_are_named_and_their_casts_are_not_torchfix_casts():
+    report = torchfix.audit(_Autocast(), torch.randn(2, 4))
+    assert hazards(report) == [("", "aten.add.Tensor", "fp32-promotion")]  # autocast's own casts feed aten.linear: no mixed-dtype
+    assert "inside torch.autocast(cpu, bfloat16)" in report.findings[0].detail
+    assert "torchfix-audit:" in report.ir  # the locations the findings were mapped through

@@ -3,10 +3,15 @@
 ``torchfix.audit(model, *example_inputs, backend=None)`` exports the model with
 ``torch.export`` (non-strict) while the guards record: where dtypes would clash,
 the guards insert their casts into the graph instead of raising, so the graph is
-whole. Each graph node is then tagged with its module path, the graph is
-imported into torch-mlir's torch dialect (``torch_mlir.fx.export_and_import``,
-the torchfix operator through :data:`torchfix.kernels.DECOMPOSITIONS`), and the
-typed IR (``!torch.vtensor<[4,8],f16>``) is read:
+whole. Each FX node (those inside ``torch.autocast`` regions included) gets a
+location key, the graph is imported into torch-mlir's torch dialect
+(``torch_mlir.fx.export_and_import``, the torchfix operator through
+:data:`torchfix.kernels.DECOMPOSITIONS`), and the IR is walked through
+torch-mlir's Python bindings: each op's name, its operands' defining ops and
+typed values (``!torch.vtensor<[4,8],f16>``), and its location, which leads back
+to the FX node for the module path, whether torchfix inserted it (a torchfix cast
+is ``aten._to_copy``; the model's own ``.to()`` is ``aten.to``), and the autocast
+region it runs in:
 
 - ``mixed-dtype``: mm/linear/conv/sdpa fed by a cast torchfix inserted (plain
   torch raises there; torchfix fixes it at run time);
@@ -44,7 +49,6 @@ from .guards import known_issues as ki
 
 __all__ = ["AuditError", "AuditFinding", "AuditReport", "audit"]
 
-HAZARDS = ("mixed-dtype", "fp32-promotion", "meta-device", "device-mismatch", "known-issue", "unfixable")
 
 # IR ops that raise on mixed dtypes (torchfix casts in front of them)
 _STRICT_OPS = re.compile(r"torch\.aten\.(mm|bmm|matmul|linear|addmm|baddbmm|_?convolution|conv[123]d|scaled_dot_product_attention)$")
@@ -234,55 +238,52 @@ def _layout_findings(ep: Any, wrapped: bool, backend: str, torch_version: str, o
     return found
 
 
-def _tag(ep: Any, wrapped: bool) -> None:
-    """Give every node a location naming its module path and whether torchfix inserted it."""
-    for node in ep.graph.nodes:
-        if node.op != "call_function":
-            continue
-        inserted = "cast" if node.target is torch.ops.aten._to_copy.default else "model"
-        node.meta["stack_trace"] = f'File "{_TAG}|{node.name}|{_module_of(node, wrapped)}|{inserted}", line 1, in forward\n'
+@dataclass(frozen=True)
+class _Node:
+    """What the exported FX graph says about the node an IR op came from."""
 
-
-# --- pass 3: read the typed IR ----------------------------------------------------------------------
-
-_LOC_DEF = re.compile(r'^(#loc\d*) = loc\("' + _TAG + r'\|([^|"]*)\|([^|"]*)\|(\w+)"')
-_OP = re.compile(r"^\s*(%[\w.#-]+) = (torch\.[\w.]+)(.*)\sloc\((#loc\d*)\)\s*$")
-_VALUE = re.compile(r"%[\w.#-]+")
-_TYPE = re.compile(r"!torch\.\w+(?:<[^>]*>)?")
-_VTENSOR = re.compile(r"!torch\.vtensor<\[([^\]]*)\],(\w+)>")
-
-
-@dataclass
-class _IrOp:
-    name: str
-    operands: list[tuple[str, str]]  # (value, type)
-    result: str
     module: str
-    inserted: bool
+    inserted: bool  # a cast torchfix inserted (aten._to_copy; the model's own .to() is aten.to)
+    autocast: str | None  # "cpu, bfloat16" inside a torch.autocast region
 
 
-def _parse_ir(asm: str) -> dict[str, _IrOp]:
-    """Ops with a torchfix-audit location, by result value."""
-    locs = {}
-    for line in asm.splitlines():
-        m = _LOC_DEF.match(line)
-        if m:
-            locs[m.group(1)] = (m.group(3), m.group(4) == "cast")
-    ops = {}
-    for line in asm.splitlines():
-        m = _OP.match(line)
-        if not m or m.group(4) not in locs:
-            continue
-        value, name, rest, loc = m.groups()
-        args, _, sig = rest.rpartition(" : ")
-        operand_sig, _, result_sig = sig.partition(" -> ")
-        module, inserted = locs[loc]
-        ops[value] = _IrOp(name, list(zip(_VALUE.findall(args), _TYPE.findall(operand_sig))), result_sig.strip(), module, inserted)
-    return ops
+def _tag(ep: Any, wrapped: bool) -> dict[str, _Node]:
+    """Give every node (autocast regions' nodes included) a location torch-mlir carries into the IR:
+    the FX importer's only location channel is a node's stack trace, so the trace names a key into
+    the returned table, and everything else is read from the FX graph itself."""
+    regions: dict[str, str] = {}
+    for node in ep.graph.nodes:  # torch.autocast regions are wrap_with_autocast(device, dtype, ..., submodule, ...)
+        if node.op == "call_function" and "wrap_with_autocast" in str(node.target) and len(node.args) > 4:
+            sub = node.args[4]
+            if isinstance(sub, torch.fx.Node) and sub.op == "get_attr":
+                regions[str(sub.target)] = f"{node.args[0]}, {str(node.args[1]).removeprefix('torch.')}"
+    table: dict[str, _Node] = {}
+    graphs = [("", ep.graph_module)] + [(n, m) for n, m in ep.graph_module.named_modules() if n and isinstance(m, torch.fx.GraphModule)]
+    for name, gm in graphs:
+        autocast = regions.get(name)
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if "wrap_with_autocast" in str(node.target):
+                region = node.args[4].target if len(node.args) > 4 and isinstance(node.args[4], torch.fx.Node) else None
+                node_autocast = regions.get(str(region))
+            else:
+                node_autocast = autocast
+            key = f"{_TAG}:{len(table)}"
+            inserted = node.target is torch.ops.aten._to_copy.default and autocast is None
+            table[key] = _Node(_module_of(node, wrapped), inserted, node_autocast)
+            node.meta["stack_trace"] = f'File "{key}", line 1, in forward\n'
+    return table
 
 
-def _tensor(type_text: str) -> tuple[str, str] | None:
-    m = _VTENSOR.fullmatch(type_text.strip())
+# --- pass 3: walk the IR through torch-mlir's bindings --------------------------------------------
+
+_VTENSOR = re.compile(r"!torch\.vtensor<\[([^\]]*)\],(\w+)>")  # one value's type, e.g. !torch.vtensor<[4,8],f16>
+
+
+def _vtensor(value: Any) -> tuple[str, str] | None:
+    """(shape, dtype) of a ``!torch.vtensor`` value (``None`` for other types)."""
+    m = _VTENSOR.fullmatch(str(value.type))
     return (m.group(1), m.group(2)) if m else None
 
 
@@ -290,58 +291,82 @@ def _fmt(t: tuple[str, str]) -> str:
     return f"{t[1]}[{t[0]}]"
 
 
-def _inputs(op: _IrOp, ops: dict[str, _IrOp]) -> list[tuple[tuple[str, str], _IrOp | None]]:
-    """Tensor operands (lists expanded) with the torchfix cast that produced each, if any."""
-    out = []
-    for value, type_text in op.operands:
-        producer = ops.get(value)
-        if producer is not None and producer.name == "torch.prim.ListConstruct":
-            out.extend(_inputs(producer, ops))
-            continue
-        t = _tensor(type_text)
-        if t is None:
-            continue
-        cast = producer if producer is not None and producer.inserted and producer.name in _CASTS else None
-        out.append((t, cast))
-    return out
+def _origin(op: Any, ir: Any, table: dict[str, _Node]) -> _Node | None:
+    """The FX node an IR op came from, read from its location."""
+    loc = op.location
+    try:  # a trace of several frames is a call-site location whose callee is the innermost frame
+        loc = ir.CallSiteLoc(loc).callee
+    except ValueError:  # not a call site: the bindings refuse the cast
+        pass
+    try:
+        return table.get(ir.FileLineColLoc(loc).filename)
+    except ValueError:  # an unknown location: an op torch-mlir made up (none of the model's nodes)
+        return None
 
 
-def _source(t: tuple[str, str], cast: _IrOp | None) -> tuple[str, str]:
-    """The dtype an operand had before torchfix's cast."""
-    if cast is None or not cast.operands:
-        return t
-    return _tensor(cast.operands[0][1]) or t
+def _producer(value: Any) -> Any | None:
+    """The op that defines ``value`` (``None`` for a function argument)."""
+    owner = value.owner
+    return owner if hasattr(owner, "operands") and hasattr(owner, "name") else None
 
 
-def _ir_findings(ops: dict[str, _IrOp]) -> list[AuditFinding]:
+def _ir_findings(module: Any, ir: Any, table: dict[str, _Node]) -> list[AuditFinding]:
+    ops = [op for func in module.body.operations for block in func.regions[0].blocks for op in block.operations]
+    origin = {id(op): _origin(op, ir, table) for op in ops}
+
+    def inserted_cast(op: Any | None) -> Any | None:
+        if op is None or op.name not in _CASTS:
+            return None
+        node = origin.get(id(op)) if id(op) in origin else _origin(op, ir, table)
+        return op if node is not None and node.inserted else None
+
+    def inputs(op: Any) -> list[tuple[tuple[str, str], Any | None]]:
+        """Tensor operands (lists expanded) with the torchfix cast that produced each, if any."""
+        out = []
+        for value in op.operands:
+            producer = _producer(value)
+            if producer is not None and producer.name == "torch.prim.ListConstruct":
+                out.extend(inputs(producer))
+                continue
+            t = _vtensor(value)
+            if t is not None:
+                out.append((t, inserted_cast(producer)))
+        return out
+
+    def source(t: tuple[str, str], cast: Any | None) -> tuple[str, str]:
+        """The dtype an operand had before torchfix's cast."""
+        return (_vtensor(cast.operands[0]) or t) if cast is not None and len(cast.operands) else t
+
     found = []
-    for op in ops.values():
-        if op.inserted:
+    for op in ops:
+        node = origin[id(op)]
+        if node is None or node.inserted:
             continue
         short = op.name.removeprefix("torch.")
-        inputs = _inputs(op, ops)
-        cast = [(t, c) for t, c in inputs if c is not None]
-        before = ", ".join(_fmt(_source(t, c)) for t, c in inputs)
+        args = inputs(op)
+        cast = [(t, c) for t, c in args if c is not None]
+        before = ", ".join(_fmt(source(t, c)) for t, c in args)
+        where = f" (inside torch.autocast({node.autocast}))" if node.autocast else ""
         if _STRICT_OPS.match(op.name) and cast:
-            changes = ", ".join(f"{_fmt(_source(t, c))} → {t[1]}" for t, c in cast)
+            changes = ", ".join(f"{_fmt(source(t, c))} → {t[1]}" for t, c in cast)
             found.append(
                 AuditFinding(
-                    op.module, short, "mixed-dtype",
-                    f"{short}({before}): plain torch raises; torchfix casts {changes}",
+                    node.module, short, "mixed-dtype",
+                    f"{short}({before}): plain torch raises; torchfix casts {changes}{where}",
                     "cast the module (or the tensor) to one dtype once, e.g. module.to(dtype), or torchfix.wrap(pipe)",
                     True,
                 )
             )  # fmt: skip
             continue
-        result = _tensor(op.result)
+        result = _vtensor(op.results[0]) if len(op.results) else None
         if not _PROMOTING_OPS.match(op.name) or result is None or result[1] != "f32":
             continue
-        low = [_source(t, c) for t, c in inputs if _source(t, c)[1] in _LOW and _source(t, c)[0] != ""]  # rank 0 does not promote
+        low = [source(t, c) for t, c in args if source(t, c)[1] in _LOW and source(t, c)[0] != ""]  # rank 0 does not promote
         if low:
             found.append(
                 AuditFinding(
-                    op.module, short, "fp32-promotion",
-                    f"{short}({before}) widens {', '.join(_fmt(t) for t in low)} to {_fmt(result)} silently (2x the memory)",
+                    node.module, short, "fp32-promotion",
+                    f"{short}({before}) widens {', '.join(_fmt(t) for t in low)} to {_fmt(result)} silently (2x the memory){where}",
                     "cast the float32 operand to the low-precision dtype first, or pass dtype= to torchfix",
                     bool(cast),
                 )
@@ -401,6 +426,7 @@ def audit(
     _check_arguments(model, backend, torch_version, os_version)
     try:
         from torch_mlir import fx as mlir_fx
+        from torch_mlir import ir as mlir_ir
     except ImportError as exc:
         raise AuditError("torchfix.audit needs torch-mlir: pip install 'torchfix[audit]'") from exc
     from .kernels import DECOMPOSITIONS
@@ -426,11 +452,11 @@ def audit(
     wrapped = target is not model
     if backend is not None:
         report.findings.extend(_layout_findings(ep, wrapped, backend, version, os_version))
-    _tag(ep, wrapped)
+    table = _tag(ep, wrapped)
     try:
         module = mlir_fx.export_and_import(ep, decomposition_table=DECOMPOSITIONS)
     except Exception as exc:
         raise AuditError(f"torchfix.audit: torch-mlir could not import the exported graph: {type(exc).__name__}: {exc}") from exc
     report.ir = module.operation.get_asm(enable_debug_info=True)
-    report.findings.extend(_ir_findings(_parse_ir(report.ir)))
+    report.findings.extend(_ir_findings(module, mlir_ir, table))
     return report
