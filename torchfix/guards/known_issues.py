@@ -23,11 +23,14 @@ import platform
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from .. import devices
+
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 __all__ = [
     "WORKAROUNDS",
@@ -61,6 +64,8 @@ def parse_version(text: str | None, what: str = "version") -> Version | None:
     """
     if not text:
         return None
+    from packaging.version import InvalidVersion, Version  # on first use: `import torchfix` stays lean
+
     try:
         return Version(str(text))
     except InvalidVersion:
@@ -72,9 +77,9 @@ def parse_version(text: str | None, what: str = "version") -> Version | None:
 def _in_range(version: Version | None, low: str | None, high: str | None) -> bool:
     if version is None:
         return True
-    if low is not None and version < Version(low):
+    if low is not None and version < parse_version(low, "lower bound"):
         return False
-    return not (high is not None and version >= Version(high))
+    return not (high is not None and version >= parse_version(high, "upper bound"))
 
 
 def _span(low: str | None, high: str | None, name: str) -> str:
@@ -267,14 +272,23 @@ class KnownIssue:
             object.__setattr__(self, "ops", (self.ops,))
         if not callable(self.predicate):
             raise TypeError(f"torchfix: known issue {self.issue}: predicate must be callable(tensors) -> tuple of names.")
-        for name in ("torch_min", "torch_max", "os_min", "os_max"):
-            parse_version(getattr(self, name), f"known issue {self.issue}: {name}")
+
+    def validate(self) -> KnownIssue:
+        """Check the version bounds (:func:`add` does; the built-in rows are checked by the tests).
+
+        Raises:
+            ValueError: a bound is not a version, or a range is empty (the upper end is exclusive).
+        """
+        names = ("torch_min", "torch_max", "os_min", "os_max")
+        bounds = {n: parse_version(getattr(self, n), f"known issue {self.issue}: {n}") for n in names}
         for low, high in (("torch_min", "torch_max"), ("os_min", "os_max")):
-            a, b = getattr(self, low), getattr(self, high)
-            if a is not None and b is not None and Version(a) >= Version(b):
+            a, b = bounds[low], bounds[high]
+            if a is not None and b is not None and a >= b:
                 raise ValueError(
-                    f"torchfix: known issue {self.issue}: {low}={a!r} must be below {high}={b!r} (the upper end is exclusive)."
+                    f"torchfix: known issue {self.issue}: {low}={getattr(self, low)!r} must be below "
+                    f"{high}={getattr(self, high)!r} (the upper end is exclusive)."
                 )
+        return self
 
     @property
     def torch_range(self) -> str:
@@ -455,7 +469,8 @@ TORCH_VERSION = torch.__version__
 OS_VERSION = platform.mac_ver()[0] or None
 
 # Device types that have a row in force for this torch and OS and a backend this
-# process can use; the stride guard reads it before it looks at any layout.
+# process can use; the stride guard reads it before it looks at any layout. Computed when
+# the first wrapper asks for its family's holder (nothing is read at import).
 ACTIVE_DEVICE_TYPES: frozenset[str] = frozenset()
 # The same, per op family, each in a one-element list the wrappers hold directly (a
 # closure index is cheaper than a module attribute on the per-call path). A process with
@@ -535,9 +550,6 @@ def holder(family: str) -> list[frozenset[str]]:
         return cell
 
 
-_refresh()
-
-
 def entries() -> list[KnownIssue]:
     """Every row, built-in and user-added."""
     with _lock:
@@ -552,6 +564,7 @@ def add(entry: KnownIssue) -> KnownIssue:
     """
     if not isinstance(entry, KnownIssue):
         raise TypeError("torchfix: add() takes a torchfix.KnownIssue.")
+    entry.validate()
     with _lock:
         _entries.append(entry)
         _refresh()
