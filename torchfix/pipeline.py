@@ -64,6 +64,117 @@ def _has_accelerate_hook(module: torch.nn.Module) -> bool:
     return any(hasattr(m, "_hf_hook") for m in module.modules())
 
 
+_POOLED_KEYS = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+# widths of well-known checkpoints, for the "likely made by" hint
+_LIKELY = {
+    ("text", 768): "SD1.5",
+    ("text", 1024): "SD2.x",
+    ("text", 2048): "SDXL",
+    ("text", 1280): "the SDXL refiner",
+    ("text", 4096): "SD3/SD3.5 or Flux",
+    ("pooled", 1280): "SDXL",
+    ("pooled", 2048): "SD3/SD3.5",
+    ("pooled", 768): "Flux",
+}
+
+
+def _width(module: Any, attribute: str = "hidden_size") -> int | None:
+    config = getattr(module, "config", None)
+    value = getattr(config, attribute, None) if config is not None else None
+    if value is None and attribute == "hidden_size":
+        value = getattr(config, "d_model", None)  # T5
+    return value if isinstance(value, int) else None
+
+
+def _time_ids(pipe: Any) -> int:
+    """How many time ids an SDXL-family UNet's ``text_time`` conditioning takes: 6 (size, crop, target size),
+    5 for the refiner layout (size, crop, aesthetic score)."""
+    config = getattr(pipe, "config", None)
+    aesthetics = (
+        config.get("requires_aesthetics_score", False) if isinstance(config, dict) else getattr(config, "requires_aesthetics_score", False)
+    )
+    return 5 if aesthetics else 6
+
+
+def _expected_widths(pipe: Any) -> dict[str, tuple[int, str]]:
+    """The widths the denoiser takes: ``text`` (prompt_embeds) and ``pooled`` (pooled_prompt_embeds), each with
+    the config entries it comes from."""
+    out: dict[str, tuple[int, str]] = {}
+    unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
+    if hasattr(unet, "config"):
+        c = unet.config
+        if isinstance(c.get("encoder_hid_dim"), int) and c.get("encoder_hid_dim_type") in (None, "text_proj", "text_image_proj"):
+            out["text"] = (c.encoder_hid_dim, f"unet.config.encoder_hid_dim={c.encoder_hid_dim}, projected to cross_attention_dim")
+        elif isinstance(c.cross_attention_dim, int):
+            out["text"] = (c.cross_attention_dim, f"unet.config.cross_attention_dim={c.cross_attention_dim}")
+        if c.addition_embed_type == "text_time" and isinstance(c.projection_class_embeddings_input_dim, int):
+            ids, dim = _time_ids(pipe), c.addition_time_embed_dim or 0
+            out["pooled"] = (
+                c.projection_class_embeddings_input_dim - ids * dim,
+                f"projection_class_embeddings_input_dim={c.projection_class_embeddings_input_dim} minus {ids} time ids "
+                f"× addition_time_embed_dim={dim}",
+            )
+    elif hasattr(transformer, "config"):
+        c = transformer.config
+        if isinstance(c.get("joint_attention_dim"), int):
+            out["text"] = (c.joint_attention_dim, f"transformer.config.joint_attention_dim={c.joint_attention_dim}")
+        if isinstance(c.get("pooled_projection_dim"), int):
+            out["pooled"] = (c.pooled_projection_dim, f"transformer.config.pooled_projection_dim={c.pooled_projection_dim}")
+    return out
+
+
+_MISMATCH_FIX = "these components come from different models: load the text encoder(s) and the denoiser of one model"
+
+
+def _unet_conditioning(pipe: Any, unet: Any) -> list[Finding]:
+    findings = []
+    expected = _expected_widths(pipe)
+    widths = [(n, w) for n in ("text_encoder", "text_encoder_2") if (w := _width(getattr(pipe, n, None))) is not None]
+    if widths and "text" in expected and sum(w for _, w in widths) != expected["text"][0]:
+        total = " + ".join(f"{n} {w}" for n, w in widths)
+        problem = f"text encoder output width {total} = {sum(w for _, w in widths)} does not match {expected['text'][1]}"
+        findings.append(Finding("unet", problem, _MISMATCH_FIX, kind="model"))
+    if unet.config.addition_embed_type == "text_time":
+        encoder = getattr(pipe, "text_encoder_2", None)
+        if encoder is None:
+            problem = "addition_embed_type='text_time' needs pooled text embeddings, but there is no text_encoder_2"
+            findings.append(Finding("unet", problem, "use an SDXL pipeline with its text_encoder_2", kind="model"))
+        elif (pooled := _width(encoder, "projection_dim")) is not None and "pooled" in expected and pooled != expected["pooled"][0]:
+            problem = f"text_encoder_2 pooled width (projection_dim) {pooled} does not match {expected['pooled'][1]}"
+            findings.append(Finding("unet", problem, _MISMATCH_FIX, kind="model"))
+    return findings
+
+
+def _transformer_conditioning(pipe: Any, transformer: Any) -> list[Finding]:
+    """SD3: two CLIP encoders (hidden states padded to the T5 width, projections concatenated) and a T5 encoder;
+    Flux: a CLIP encoder (its pooled output) and a T5 encoder."""
+    findings = []
+    expected = _expected_widths(pipe)
+    text, pooled = expected.get("text"), expected.get("pooled")
+    t5_name = "text_encoder_3" if hasattr(pipe, "text_encoder_3") else "text_encoder_2"
+    clip_names = ("text_encoder", "text_encoder_2") if t5_name == "text_encoder_3" else ("text_encoder",)
+    t5 = _width(getattr(pipe, t5_name, None))
+    if text is not None and t5 is not None and t5 != text[0]:
+        findings.append(Finding("transformer", f"{t5_name} (T5) output width {t5} does not match {text[1]}", _MISMATCH_FIX, kind="model"))
+    if t5_name == "text_encoder_3":  # SD3: CLIP hidden states are zero-padded to the joint width, never cut
+        clip = [(n, w) for n in clip_names if (w := _width(getattr(pipe, n, None))) is not None]
+        if text is not None and clip and sum(w for _, w in clip) > text[0]:
+            total = " + ".join(f"{n} {w}" for n, w in clip)
+            problem = f"CLIP output width {total} = {sum(w for _, w in clip)} is wider than {text[1]}"
+            findings.append(Finding("transformer", problem, _MISMATCH_FIX, kind="model"))
+        projections = [(n, w) for n in clip_names if (w := _width(getattr(pipe, n, None), "projection_dim")) is not None]
+        if pooled is not None and projections and sum(w for _, w in projections) != pooled[0]:
+            total = " + ".join(f"{n} {w}" for n, w in projections)
+            problem = f"pooled CLIP width (projection_dim) {total} = {sum(w for _, w in projections)} does not match {pooled[1]}"
+            findings.append(Finding("transformer", problem, _MISMATCH_FIX, kind="model"))
+    else:  # Flux: the pooled embedding is the CLIP text model's pooler output
+        clip = _width(getattr(pipe, "text_encoder", None))
+        if pooled is not None and clip is not None and clip != pooled[0]:
+            problem = f"text_encoder (CLIP) pooled width {clip} does not match {pooled[1]}"
+            findings.append(Finding("transformer", problem, _MISMATCH_FIX, kind="model"))
+    return findings
+
+
 class PipelineProxy(wrapt.ObjectProxy):
     """A diffusers pipeline with torchfix around every call. ``isinstance`` still holds;
     attributes and methods pass through; the pipeline class is never modified."""
@@ -154,23 +265,12 @@ class PipelineProxy(wrapt.ObjectProxy):
 
     def _conditioning(self) -> list[Finding]:
         pipe = self.__wrapped__
-        unet = getattr(pipe, "unet", None)
-        if unet is None or not hasattr(unet, "config"):
-            return []
-        expected = unet.config.cross_attention_dim
-        widths = [(n, getattr(getattr(pipe, n, None), "config", None)) for n in ("text_encoder", "text_encoder_2")]
-        widths = [(n, c.hidden_size) for n, c in widths if c is not None and hasattr(c, "hidden_size")]
-        findings = []
-        if widths and isinstance(expected, int) and sum(w for _, w in widths) != expected:
-            total = " + ".join(f"{n} {w}" for n, w in widths)
-            width = sum(w for _, w in widths)
-            problem = f"text encoder output width {total} = {width} does not match unet.config.cross_attention_dim={expected}"
-            fix = "these components come from different models: load the text encoder(s) and UNet of one model"
-            findings.append(Finding("unet", problem, fix, kind="model"))
-        if unet.config.addition_embed_type == "text_time" and getattr(pipe, "text_encoder_2", None) is None:
-            problem = "addition_embed_type='text_time' needs pooled text embeddings, but there is no text_encoder_2"
-            findings.append(Finding("unet", problem, "use an SDXL pipeline with both text encoders", kind="model"))
-        return findings
+        unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
+        if hasattr(unet, "config"):
+            return _unet_conditioning(pipe, unet)
+        if hasattr(transformer, "config"):
+            return _transformer_conditioning(pipe, transformer)
+        return []
 
     def _mode(self) -> str:
         if self._self_settings is not None:
@@ -181,31 +281,22 @@ class PipelineProxy(wrapt.ObjectProxy):
     # --- calls -----------------------------------------------------------------------------
 
     def _check_embeddings(self, kwargs: dict[str, Any]) -> None:
-        unet = getattr(self.__wrapped__, "unet", None)
-        if unet is None:
-            return
-        expected = unet.config.cross_attention_dim
-        for key in ("prompt_embeds", "negative_prompt_embeds"):
-            emb = kwargs.get(key)
-            if isinstance(emb, torch.Tensor) and emb.shape[-1] != expected:
-                likely = {2048: "SDXL", 768: "SD1.5", 1024: "SD2.x"}.get(emb.shape[-1], "a different pipeline")
-                raise ModelMismatchError(
-                    f"torchfix: {key} has width {emb.shape[-1]} (shape {tuple(emb.shape)}), but this pipeline's UNet "
-                    f"({type(unet).__name__}) expects cross_attention_dim={expected}. The embeddings were likely made by "
-                    f"another model (e.g. {likely}); "
-                    "encode the prompt again with this pipeline (pipe.encode_prompt) or pass prompt= instead."
-                )
-        if unet.config.addition_embed_type == "text_time":
-            time_dim = unet.config.addition_time_embed_dim or 0
-            pooled_expected = unet.config.projection_class_embeddings_input_dim - 6 * time_dim
-            for key in ("pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
+        """Precomputed embeddings of another model are refused before anything runs, naming both widths."""
+        pipe = self.__wrapped__
+        expected = _expected_widths(pipe)
+        for group, keys in (("text", ("prompt_embeds", "negative_prompt_embeds")), ("pooled", _POOLED_KEYS)):
+            want = expected.get(group)
+            if want is None:
+                continue
+            width, source = want
+            for key in keys:
                 emb = kwargs.get(key)
-                if isinstance(emb, torch.Tensor) and emb.shape[-1] != pooled_expected:
+                if isinstance(emb, torch.Tensor) and emb.shape[-1] != width:
+                    likely = _LIKELY.get((group, emb.shape[-1]), "a different pipeline")
                     raise ModelMismatchError(
-                        f"torchfix: {key} has width {emb.shape[-1]}, but this UNet's text_time conditioning expects "
-                        f"{pooled_expected} (projection_class_embeddings_input_dim={unet.config.projection_class_embeddings_input_dim} "
-                        f"minus 6 × addition_time_embed_dim={time_dim}). The embeddings were likely made by another model; "
-                        "encode the prompt again with this pipeline."
+                        f"torchfix: {key} has width {emb.shape[-1]} (shape {tuple(emb.shape)}), but {type(pipe).__name__} "
+                        f"expects {width} ({source}). The embeddings were likely made by another model (e.g. {likely}); "
+                        "encode the prompt again with this pipeline (pipe.encode_prompt) or pass prompt= instead."
                     )
 
     def _sync_state(self) -> None:
@@ -374,8 +465,13 @@ def wrap(
     if deepcache is not None:
         try:
             deepcache_check(pipe, deepcache)
-        except (ValueError, UnsupportedUNetError) as exc:
-            raise type(exc)(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
+        except UnsupportedUNetError as exc:
+            if mode != "warn":
+                raise UnsupportedUNetError(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
+            warnings.warn(f"torchfix.wrap: deepcache= is ignored: {exc}", TorchfixWarning, stacklevel=2)
+            deepcache = None
+        except ValueError as exc:
+            raise ValueError(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
     if device is not None:
         why = unusable_reason(device)
         if why is not None:

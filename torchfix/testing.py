@@ -1,6 +1,6 @@
-"""Tiny SD1.5-like and SDXL-like diffusers pipelines built offline, for tests,
-the demo and benchmarks: configs with random weights and a CLIP tokenizer
-written on the fly. Nothing is downloaded.
+"""Tiny SD1.5-like, SDXL-like (base and refiner), SD3-like and Flux-like diffusers
+pipelines built offline, for tests, the demo and benchmarks: configs with random
+weights, and CLIP and T5 tokenizers written on the fly. Nothing is downloaded.
 
 Imports diffusers and transformers, so ``import torchfix`` never imports this.
 
@@ -21,10 +21,15 @@ import torch
 __all__ = [
     "clip_tokenizer",
     "latents",
+    "t5_tokenizer",
+    "tiny_flux_pipeline",
+    "tiny_sd3_pipeline",
     "tiny_sd15_pipeline",
     "tiny_sd15_unet",
     "tiny_sdxl_pipeline",
+    "tiny_sdxl_refiner_pipeline",
     "tiny_sdxl_unet",
+    "tiny_t5_encoder",
     "tiny_text_encoder",
     "tiny_vae",
 ]
@@ -82,21 +87,55 @@ def tiny_text_encoder(with_projection: bool = False, hidden: int = TEXT_DIM, see
     return cls(config).eval()
 
 
-def tiny_vae(seed: int = 0) -> Any:
+def tiny_vae(seed: int = 0, latent_channels: int = 4) -> Any:
+    """An AutoencoderKL with 3 downsamplers (latents are pixels / 8, as in SD); 16 latent channels for SD3/Flux."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
+    extra = {"shift_factor": 0.0} if latent_channels == 16 else {}  # SD3/Flux pipelines read it
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,  # 3 downsamplers: latents are pixels / 8, as in SD
+        down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4,
         block_out_channels=(8, 8, 8, 8),
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=4,
         sample_size=32,
+        **extra,
     ).eval()
+
+
+_T5_PIECES = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def t5_tokenizer() -> Any:
+    """A T5 tokenizer over lowercase letters and digits, built in memory (no sentencepiece file)."""
+    from transformers import T5Tokenizer
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(c, -1.0) for c in _T5_PIECES] + [("▁", -1.0)]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def tiny_t5_encoder(hidden: int = 2 * TEXT_DIM, seed: int = 0) -> Any:
+    """A 2-layer T5 encoder, random weights."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=len(_T5_PIECES) + 4,
+        d_model=hidden,
+        d_kv=hidden // 4,
+        d_ff=2 * hidden,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config).eval()
 
 
 def _tiny_unet(seed: int, heads: int = 4, **config: Any) -> Any:
@@ -182,6 +221,104 @@ def tiny_sdxl_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0)
         unet=tiny_sdxl_unet(seed),
         scheduler=_scheduler(scheduler),
         add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl_refiner_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: int = 0) -> Any:
+    """An SDXL refiner-layout StableDiffusionXLImg2ImgPipeline: only ``text_encoder_2`` (with projection), and a
+    UNet with ``requires_aesthetics_score`` conditioning (5 time ids: size, crop, aesthetic score)."""
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    unet = _tiny_unet(
+        seed,
+        block_out_channels=(8, 16, 32),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=TEXT_DIM,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=5 * 8 + TEXT_DIM,
+    )
+    pipe = StableDiffusionXLImg2ImgPipeline(
+        vae=tiny_vae(seed),
+        text_encoder=None,
+        text_encoder_2=tiny_text_encoder(with_projection=True, seed=seed + 1),
+        tokenizer=None,
+        tokenizer_2=clip_tokenizer(),
+        unet=unet,
+        scheduler=_scheduler(scheduler),
+        requires_aesthetics_score=True,
+        force_zeros_for_empty_prompt=False,
+        add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sd3_pipeline(seed: int = 0, layers: int = 4) -> Any:
+    """A StableDiffusion3Pipeline: two CLIP encoders with projection (32 wide each), a T5 encoder (64 wide),
+    and an SD3Transformer2DModel (4 heads x 16, ``layers`` joint blocks, up to 1536 px)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=16,
+        num_layers=layers,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=2 * TEXT_DIM,  # the T5 width; CLIP embeddings (32 + 32) are padded to it
+        caption_projection_dim=64,
+        pooled_projection_dim=2 * TEXT_DIM,  # the two CLIP projections, concatenated
+        out_channels=16,
+        pos_embed_max_size=96,
+    ).eval()
+    tokenizer = clip_tokenizer()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_vae(seed, latent_channels=16),
+        text_encoder=tiny_text_encoder(with_projection=True, seed=seed),
+        tokenizer=tokenizer,
+        text_encoder_2=tiny_text_encoder(with_projection=True, seed=seed + 1),
+        tokenizer_2=tokenizer,
+        text_encoder_3=tiny_t5_encoder(seed=seed + 2),
+        tokenizer_3=t5_tokenizer(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_flux_pipeline(seed: int = 0, layers: int = 2, single_layers: int = 4) -> Any:
+    """A FluxPipeline: a CLIP encoder (pooled, 32 wide), a T5 encoder (64 wide) and a FluxTransformer2DModel
+    (2 heads x 16, ``layers`` double and ``single_layers`` single blocks)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels, packed 2x2
+        num_layers=layers,
+        num_single_layers=single_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=2 * TEXT_DIM,
+        pooled_projection_dim=TEXT_DIM,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15),
+        vae=tiny_vae(seed, latent_channels=16),
+        text_encoder=tiny_text_encoder(seed=seed),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=tiny_t5_encoder(seed=seed + 2),
+        tokenizer_2=t5_tokenizer(),
+        transformer=transformer,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -1,0 +1,132 @@
+"""torchfix.wrap on transformer pipelines (SD3, Flux) and on the UNet layouts that were refused wrongly
+(the SDXL refiner's 5 time ids, a UNet with ``encoder_hid_dim``)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import torchfix
+
+pytest.importorskip("diffusers")
+
+from torchfix import testing
+from torchfix.testing import latents
+
+KW = dict(num_inference_steps=2, height=64, width=64, output_type="latent")
+
+
+def test_tiny_transformer_pipelines_run_offline_at_odd_sizes():
+    for build in (testing.tiny_sd3_pipeline, testing.tiny_flux_pipeline):
+        out = latents(build(), steps=2, size=(80, 112))
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("builder", ["tiny_sd3_pipeline", "tiny_flux_pipeline"])
+def test_stale_embeddings_are_refused_before_running_naming_both_widths(builder):
+    pipe = getattr(testing, builder)()
+    embeds, pooled = torch.randn(1, 77, 32), torch.randn(1, 64 if builder == "tiny_sd3_pipeline" else 32)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # plain diffusers: mid-run
+        pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=1.0, **KW)
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(torchfix.ModelMismatchError) as info:
+            torchfix.wrap(pipe)(prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=1.0, **KW)
+    finally:
+        hook.remove()
+    msg = str(info.value)
+    assert "prompt_embeds has width 32" in msg and "joint_attention_dim=64" in msg and calls == []
+    good_pooled = pipe.transformer.config.pooled_projection_dim
+    with pytest.raises(torchfix.ModelMismatchError, match=rf"pooled_prompt_embeds has width 7 .*pooled_projection_dim={good_pooled}"):
+        torchfix.wrap(pipe)(prompt_embeds=torch.randn(1, 77, 64), pooled_prompt_embeds=torch.randn(1, 7), guidance_scale=1.0, **KW)
+
+
+def test_preflight_finds_a_t5_of_another_model():
+    pipe = testing.tiny_sd3_pipeline()
+    pipe.text_encoder_3 = testing.tiny_t5_encoder(hidden=48)
+    with pytest.raises(torchfix.ModelMismatchError, match=r"text_encoder_3 \(T5\) output width 48 does not match .*joint_attention_dim=64"):
+        latents(torchfix.wrap(pipe), steps=2)
+    flux = testing.tiny_flux_pipeline()
+    flux.text_encoder = testing.tiny_text_encoder(hidden=16)
+    with pytest.raises(
+        torchfix.ModelMismatchError, match=r"text_encoder \(CLIP\) pooled width 16 does not match .*pooled_projection_dim=32"
+    ):
+        latents(torchfix.wrap(flux), steps=2)
+
+
+def test_the_sdxl_refiner_layout_with_pooled_embeddings_is_valid():
+    pipe = testing.tiny_sdxl_refiner_pipeline()
+    image = torch.rand(1, 3, 64, 64)
+    embeds, negative, pooled, negative_pooled = pipe.encode_prompt("a cat", do_classifier_free_guidance=True)
+    args = dict(image=image, strength=0.5, num_inference_steps=4, output_type="latent")
+    embeddings = dict(
+        prompt_embeds=embeds, negative_prompt_embeds=negative, pooled_prompt_embeds=pooled, negative_pooled_prompt_embeds=negative_pooled
+    )
+    plain = pipe(**args, **embeddings, generator=torch.Generator().manual_seed(0)).images
+    w = torchfix.wrap(pipe)
+    assert w.preflight() == []
+    assert torch.equal(w(**args, **embeddings, generator=torch.Generator().manual_seed(0)).images, plain)
+    with pytest.raises(torchfix.ModelMismatchError, match=r"minus 5 time ids"):
+        w(**args, **{**embeddings, "pooled_prompt_embeds": pooled[:, :16]})
+
+
+def test_a_unet_with_encoder_hid_dim_is_valid():
+    from diffusers import UNet2DConditionModel
+
+    pipe = testing.tiny_sd15_pipeline()
+    config = {k: v for k, v in pipe.unet.config.items() if not k.startswith("_")}
+    config.update(encoder_hid_dim=testing.TEXT_DIM, encoder_hid_dim_type="text_proj", cross_attention_dim=24)
+    torch.manual_seed(0)
+    pipe.unet = UNet2DConditionModel(**config).eval()
+    assert pipe.unet.encoder_hid_proj is not None
+    plain = latents(pipe, steps=2)
+    w = torchfix.wrap(pipe)
+    assert w.preflight() == [] and torch.equal(latents(w, steps=2), plain)
+
+
+def test_switch_sd15_sdxl_sd3_flux_sd15_ends_where_it_began():
+    outs, refs = [], []
+    for build in (
+        testing.tiny_sd15_pipeline,
+        testing.tiny_sdxl_pipeline,
+        testing.tiny_sd3_pipeline,
+        testing.tiny_flux_pipeline,
+        testing.tiny_sd15_pipeline,
+    ):
+        pipe = build()
+        refs.append(weakref.ref(getattr(pipe, "unet", None) or pipe.transformer))
+        w = torchfix.wrap(pipe)
+        outs.append(latents(w, steps=3))
+        w.unwrap()
+        del w, pipe
+        gc.collect()
+    assert torch.equal(outs[0], outs[-1])
+    assert all(r() is None for r in refs), "an old denoiser is still referenced after unwrap"
+
+
+def test_deepcache_on_a_transformer_pipeline_is_never_silent():
+    pipe = testing.tiny_flux_pipeline()
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"wrap\(deepcache=.*FluxTransformer2DModel"):
+        torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3))
+    with pytest.warns(torchfix.TorchfixWarning, match="deepcache= is ignored: .*denoises with a transformer"):
+        w = torchfix.wrap(pipe, mode="warn", deepcache=torchfix.DeepCacheConfig(interval=3))
+    assert torch.isfinite(latents(w, steps=2)).all()
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError):
+        torchfix.deepcache.apply(pipe)
+
+
+def test_deepcache_functions_accept_the_wrapped_proxy():
+    pipe = testing.tiny_sd15_pipeline()
+    w = torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3))
+    latents(w, steps=3)
+    assert torchfix.deepcache.stats(w)["cached_steps"] == 2 and torchfix.deepcache.state_of(w) is torchfix.deepcache.state_of(pipe)
+    torchfix.deepcache.new_call(w)
+    torchfix.deepcache.remove(w)
+    assert torchfix.deepcache.state_of(pipe) is None
+    torchfix.deepcache.apply(w, torchfix.DeepCacheConfig(interval=2))
+    assert torchfix.deepcache.state_of(pipe).config.interval == 2
+    torchfix.deepcache.remove(pipe)
