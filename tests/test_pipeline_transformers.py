@@ -130,3 +130,15 @@ def test_deepcache_functions_accept_the_wrapped_proxy():
     torchfix.deepcache.apply(w, torchfix.DeepCacheConfig(interval=2))
     assert torchfix.deepcache.state_of(pipe).config.interval == 2
     torchfix.deepcache.remove(pipe)
+
+
+def test_events_name_the_component_under_plain_import_torchfix():
+    """SD3 has two CLIP encoders with a text_projection and a T5: an event must say which (no wrap needed)."""
+    pipe = testing.tiny_sd3_pipeline().to(torch.bfloat16)
+    pipe.text_encoder_2.text_projection.half()
+    pipe.text_encoder_3.encoder.block[0].layer[1].DenseReluDense.wi.half()
+    with torchfix.enabled():
+        latents(pipe, steps=1)
+        modules = {e.module for e in torchfix.report().events}
+    assert "text_encoder_2.text_projection" in modules
+    assert "text_encoder_3.encoder.block.0.layer.1.DenseReluDense.wi" in modules

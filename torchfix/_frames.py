@@ -96,17 +96,41 @@ def _names(root: torch.nn.Module, leaf: torch.nn.Module) -> str | None:
     return name
 
 
+def _component(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.nn.Module, str] | None:
+    """The running module that a calling pipeline holds as a component, and the component's name: the
+    nearest frame whose ``self`` has a ``components`` dict (a diffusers pipeline's ``__call__``)."""
+    running = {id(m): m for m in chain}
+    for _ in range(256):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if frame.f_code is not _CALL_IMPL else None
+        components = getattr(owner, "components", None) if owner is not None and not isinstance(owner, torch.nn.Module) else None
+        if isinstance(components, dict):
+            for name, component in components.items():
+                if id(component) in running:
+                    return running[id(component)], name
+        frame = frame.f_back
+    return None
+
+
 def module_path(chain: list[torch.nn.Module]) -> str | None:
     """Dotted path of the innermost module, e.g. ``text_encoder.text_projection``."""
     if not chain:
         return None
     leaf = chain[0]
     # The outermost module that the pipeline named wins; else a named module that
-    # contains the running ones (a submodule called directly); else the outermost running.
+    # contains the running ones (a submodule called directly); else a running module
+    # that a calling pipeline holds as a component (plain `import torchfix`, no wrap);
+    # else the outermost running.
     root = next((m for m in reversed(chain) if m in _ROOT_NAMES), None)
     if root is None:
-        root = next((r for r in list(_ROOT_NAMES.keys()) if _names(r, chain[-1]) is not None), chain[-1])
-    prefix = _ROOT_NAMES.get(root, "")
+        root = next((r for r in list(_ROOT_NAMES.keys()) if _names(r, chain[-1]) is not None), None)
+    prefix = None
+    if root is None:
+        found = _component(chain, sys._getframe(1))
+        root, prefix = found if found is not None else (chain[-1], "")
+    if prefix is None:
+        prefix = _ROOT_NAMES.get(root, "")
     if leaf is root:
         return prefix or type(leaf).__name__
     name = _names(root, leaf)
