@@ -283,12 +283,12 @@ def test_a_deepcache_branch_the_unet_lacks_is_refused_at_wrap():
     assert torchfix.deepcache.state_of(pipe) is None  # nothing applied
 
 
-def test_deepcache_on_a_transformer_pipeline_is_an_error_not_a_silent_no_op():
-    class FluxLike:  # a pipeline whose denoiser is a transformer
+def test_deepcache_on_a_pipeline_without_a_supported_denoiser_is_an_error_not_a_silent_no_op():
+    class OddLike:  # a pipeline whose transformer has no block chain DeepCache knows
         transformer = torch.nn.Linear(2, 2)
 
-    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"denoises with a transformer \(Linear\)"):
-        torchfix.deepcache.check(FluxLike(), torchfix.DeepCacheConfig())
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"Linear has no transformer_blocks"):
+        torchfix.deepcache.check(OddLike(), torchfix.DeepCacheConfig())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

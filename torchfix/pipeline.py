@@ -305,7 +305,8 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._sync_deepcache()
 
     def _sync_deepcache(self) -> None:
-        unet = getattr(self.__wrapped__, "unet", None)
+        pipe = self.__wrapped__
+        unet = getattr(pipe, "unet", None) if getattr(pipe, "unet", None) is not None else getattr(pipe, "transformer", None)
         if self._self_deepcache is not None and unet is not self._self_cached_unet:
             if self._self_cached_unet is not None:
                 deepcache.remove(self._self_cached_unet)
@@ -446,7 +447,7 @@ def wrap(
         pipe: a diffusers ``DiffusionPipeline``.
         mode: ``fix``, ``warn``, ``strict`` or ``off`` for this pipeline's calls (default: the
             settings in force outside, else ``fix``).
-        deepcache: a :class:`torchfix.DeepCacheConfig` to apply DeepCache to the UNet.
+        deepcache: a :class:`torchfix.DeepCacheConfig` to apply DeepCache to the UNet or transformer.
         dtype: the ``dtype=`` policy of the guards in this pipeline's calls (mixed matmuls and
             cats); wrap never casts a component to it up front.
         device: align components on this device when they differ (the originals are kept

@@ -44,6 +44,10 @@ class DeepCacheConfig:
         num_steps: steps per generation, for a bare UNet driven without a
             diffusers scheduler (pipelines report it themselves). Needed only by
             ``nonuniform`` and the ``start``/``stop`` window.
+        keep_first, keep_last: for a diffusion transformer (SD3, Flux): how many
+            blocks at the start and at the end of its block chain run on every
+            step; the blocks in between are cached. Fewer kept blocks is faster
+            with more error. A UNet ignores them (``branch`` plays that role).
 
     >>> DeepCacheConfig(interval=4, branch=1).interval
     4
@@ -56,9 +60,11 @@ class DeepCacheConfig:
     stop: float = 1.0
     power: float = 1.6
     num_steps: int | None = None
+    keep_first: int = 1
+    keep_last: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("interval", "branch"):
+        for name in ("interval", "branch", "keep_first", "keep_last"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"DeepCacheConfig.{name} must be an int, got {value!r}.")
@@ -66,6 +72,9 @@ class DeepCacheConfig:
             raise ValueError(f"DeepCacheConfig.interval={self.interval} must be >= 1 (1 means no caching).")
         if self.branch < 0:
             raise ValueError(f"DeepCacheConfig.branch={self.branch} must be >= 0 (0 is the shallowest skip connection).")
+        for name in ("keep_first", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DeepCacheConfig.{name}={getattr(self, name)} must be >= 0 (transformer blocks always run).")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DeepCacheConfig.schedule={self.schedule!r} must be one of {SCHEDULES}.")
         if not (0.0 <= self.start < self.stop <= 1.0):

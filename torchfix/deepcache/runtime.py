@@ -22,8 +22,9 @@ import torch
 
 from ..patches import instance
 from .config import DeepCacheConfig, is_full_step
-from .layout import Layout, UnsupportedUNetError, analyse
+from .layout import Layout, analyse
 from .shallow import shallow_forward
+from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
 
 __all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
 
@@ -66,33 +67,35 @@ class DeepCacheState:
         self.pending_new_call = True
 
 
-_STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState] = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState | TransformerCacheState] = weakref.WeakKeyDictionary()
 
 
 def _resolve(target: Any) -> tuple[torch.nn.Module, Any]:
-    unet = getattr(target, "unet", None)
-    if isinstance(unet, torch.nn.Module):
-        return unet, target
-    transformer = getattr(target, "transformer", None)
-    if isinstance(transformer, torch.nn.Module):
-        raise UnsupportedUNetError(
-            f"torchfix.deepcache: {type(target).__name__} denoises with a transformer ({type(transformer).__name__}), not a "
-            "UNet; torchfix's DeepCache supports UNet pipelines (SD1.x/2.x/SDXL) only for now. Leave deepcache out for this "
-            "pipeline."
-        )
+    """The denoiser (a pipeline's ``unet`` or ``transformer``, or the model itself) and the pipeline."""
+    for attr in ("unet", "transformer"):
+        model = getattr(target, attr, None)
+        if isinstance(model, torch.nn.Module):
+            return model, target
     if isinstance(target, torch.nn.Module):
         return target, None
-    raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline or its UNet, got {type(target).__name__}.")
+    raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline, its UNet or its transformer, got {type(target).__name__}.")
 
 
-def check(target: Any, config: DeepCacheConfig) -> Layout:
-    """The UNet's skip layout, after checking that ``config`` fits it (``apply`` would succeed).
+def _is_transformer(model: torch.nn.Module) -> bool:
+    return hasattr(model, "transformer_blocks") and not hasattr(model, "up_blocks")
+
+
+def check(target: Any, config: DeepCacheConfig) -> Layout | TransformerLayout:
+    """The denoiser's layout, after checking that ``config`` fits it (``apply`` would succeed).
 
     Raises:
-        UnsupportedUNetError: ``target`` has no UNet DeepCache can drive (a transformer pipeline).
-        ValueError: ``config.branch`` is not one of the UNet's skip connections.
+        UnsupportedUNetError: ``target`` has no UNet or transformer DeepCache can drive.
+        ValueError: ``config.branch`` is not one of the UNet's skip connections, or a transformer's
+            ``keep_first``/``keep_last`` leave no block to cache.
     """
     unet, _ = _resolve(target)
+    if _is_transformer(unet) or getattr(target, "transformer", None) is unet:
+        return check_transformer(unet, config)
     layout = analyse(unet)
     if config.branch >= layout.n_skips:
         raise ValueError(
@@ -102,8 +105,8 @@ def check(target: Any, config: DeepCacheConfig) -> Layout:
     return layout
 
 
-def state_of(target: Any) -> DeepCacheState | None:
-    """The DeepCache state of a UNet (or a pipeline's UNet), or ``None`` when not applied."""
+def state_of(target: Any) -> DeepCacheState | TransformerCacheState | None:
+    """The DeepCache state of a UNet or transformer (or a pipeline's), or ``None`` when not applied."""
     unet, _ = _resolve(target)
     return _STATES.get(unet)
 
@@ -119,18 +122,24 @@ def new_call(target: Any) -> None:
 
 
 def stats(target: Any) -> dict[str, Any]:
-    """Counts and memory: full and cached steps so far, generations, bytes held by the cache."""
+    """Counts and memory: full and cached steps so far, generations, bytes held by the cache (and, for a
+    transformer, the guidance streams of the current generation and which blocks are cached)."""
     state = state_of(target)
     if state is None:
         return {"applied": False}
-    return {
+    out = {
         "applied": True,
         "full_steps": state.full_steps,
         "cached_steps": state.cached_steps,
         "generations": state.generations,
         "cache_bytes": state.cache_bytes,
-        "branch": state.layout.describe(state.config.branch),
     }
+    if isinstance(state, TransformerCacheState):
+        out["streams"] = len(state.streams)
+        out["blocks"] = state.layout.describe(state.config.keep_first, state.config.keep_last)
+    else:
+        out["branch"] = state.layout.describe(state.config.branch)
+    return out
 
 
 def _outside_graphs(fn: Any) -> Any:
@@ -244,13 +253,13 @@ def _install_scheduler_hook(pipe: Any, unet: torch.nn.Module) -> list[Any]:
     return [instance.set_attr(scheduler, "set_timesteps", hooked)]
 
 
-def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState:
-    """Apply DeepCache to a diffusers pipeline or its ``UNet2DConditionModel``.
+def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState | TransformerCacheState:
+    """Apply DeepCache to a diffusers pipeline, its ``UNet2DConditionModel`` or its SD3/Flux transformer.
 
     Applying again replaces the previous application (never a wrapper over a wrapper).
 
     Args:
-        target: a pipeline with a ``unet``, or the UNet itself.
+        target: a pipeline with a ``unet`` or a ``transformer``, or the model itself.
         config: a :class:`DeepCacheConfig` (default: interval 3, branch 0, uniform).
 
     >>> import torchfix
@@ -265,6 +274,12 @@ def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState:
     layout = check(unet, config)
     if unet in _STATES:
         remove(unet)
+    if isinstance(layout, TransformerLayout):
+        tstate = apply_transformer(unet, config, layout)
+        if pipe is not None:
+            tstate.handles.extend(_install_scheduler_hook(pipe, unet))
+        _STATES[unet] = tstate
+        return tstate
     state = DeepCacheState(config, layout, unet.forward)
     state_ref = weakref.ref(state)
     i, j = layout.consumers[config.branch]

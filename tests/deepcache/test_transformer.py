@@ -1,0 +1,119 @@
+"""DeepCache for diffusion transformers (SD3, Flux): the UNet version's guarantees, and one cache per stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+
+pytest.importorskip("diffusers")
+
+from torchfix import testing
+from torchfix.testing import latents
+
+BUILDERS = {
+    "sd3": lambda: testing.tiny_sd3_pipeline(layers=6),
+    "flux": lambda: testing.tiny_flux_pipeline(layers=2, single_layers=4),
+}
+CFG = torchfix.DeepCacheConfig(interval=3)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(params=sorted(BUILDERS))
+def pipe(request):
+    p = BUILDERS[request.param]()
+    yield p
+    torchfix.deepcache.remove(p)
+
+
+def test_interval_1_is_bit_identical_and_remove_restores(pipe):
+    ref = latents(pipe, steps=5)
+    torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=1))
+    assert torch.equal(latents(pipe, steps=5), ref)
+    assert torchfix.deepcache.stats(pipe)["cached_steps"] == 0
+    torchfix.deepcache.apply(pipe, CFG)
+    cached = latents(pipe, steps=6)
+    torchfix.deepcache.remove(pipe)
+    assert not hasattr(pipe.transformer.forward, "__torchfix_deepcache__")
+    assert not any(hasattr(b.forward, "__torchfix_deepcache__") for b in pipe.transformer.transformer_blocks)
+    assert torch.equal(latents(pipe, steps=5), ref) and torch.isfinite(cached).all()
+
+
+def test_cached_steps_skip_the_middle_blocks_and_stay_close(pipe):
+    ref = latents(pipe, steps=9)
+    calls = []
+    middle = torchfix.deepcache.analyse_transformer(pipe.transformer).blocks[2]
+    handle = middle.attn.register_forward_pre_hook(lambda *a: calls.append(1))  # runs only when the block computes
+    torchfix.deepcache.apply(pipe, CFG)
+    try:
+        out = latents(pipe, steps=9)
+    finally:
+        handle.remove()
+    s = torchfix.deepcache.stats(pipe)
+    assert (s["full_steps"], s["cached_steps"], s["streams"]) == (3, 6, 1) and s["cache_bytes"] > 0
+    assert len(calls) == 3  # the middle block ran on the full steps only
+    assert rel(out, ref) < 0.05
+
+
+def test_a_new_prompt_seed_or_size_never_sees_old_features(pipe):
+    torchfix.deepcache.apply(pipe, CFG)
+    latents(pipe, "a cat", steps=6, size=(64, 96))
+    runs = [("a dog", 0, (64, 96)), ("a dog", 1, (64, 96)), ("a dog", 1, (96, 48))]
+    after = [latents(pipe, p, steps=6, seed=seed, size=size) for p, seed, size in runs]
+    for (p, seed, size), got in zip(runs, after):
+        torchfix.deepcache.apply(pipe, CFG)  # a fresh cache
+        assert torch.equal(latents(pipe, p, steps=6, seed=seed, size=size), got), (p, seed, size)
+
+
+def test_each_guidance_stream_keeps_its_own_cache():
+    """Flux's true CFG runs the negative prompt as a separate transformer call every step."""
+    pipe = testing.tiny_flux_pipeline(layers=2, single_layers=4)
+    kw = dict(negative_prompt="a dog", true_cfg_scale=3.0)
+    ref = latents(pipe, steps=9, **kw)
+    torchfix.deepcache.apply(pipe, CFG)
+    out = latents(pipe, steps=9, **kw)
+    s = torchfix.deepcache.stats(pipe)
+    assert (s["streams"], s["full_steps"], s["cached_steps"]) == (2, 6, 12)
+    assert rel(out, ref) < 0.05
+    # one stream keyed by the text alone would hand the positive residual to the negative call
+    state = torchfix.deepcache.state_of(pipe)
+    residuals = [st.residual[1] for st in state.streams.values()]
+    assert not torch.equal(residuals[0], residuals[1])
+
+
+def test_wrap_applies_it_to_transformer_pipelines():
+    pipe = testing.tiny_sd3_pipeline(layers=6)
+    w = torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3, keep_first=2, keep_last=1))
+    latents(w, steps=6)
+    s = torchfix.deepcache.stats(w)
+    assert s["applied"] and s["cached_steps"] == 4 and "transformer_blocks.2 .. transformer_blocks.4" in s["blocks"]
+    w.unwrap()
+    assert torchfix.deepcache.state_of(pipe) is None
+
+
+def test_controlnet_style_calls_run_in_full():
+    pipe = testing.tiny_sd3_pipeline(layers=6)
+    torchfix.deepcache.apply(pipe, CFG)
+    model = pipe.transformer
+    torchfix.deepcache.new_call(model)
+    x, text, pooled = torch.randn(1, 16, 8, 8), torch.randn(1, 10, 64), torch.randn(1, 64)
+    for _ in range(3):
+        model(hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled, timestep=torch.tensor([1.0]), skip_layers=[3])
+    assert torchfix.deepcache.stats(model)["cached_steps"] == 0
+
+
+def test_img2img_strength_starts_a_new_generation():
+    from diffusers import StableDiffusion3Img2ImgPipeline
+
+    pipe = StableDiffusion3Img2ImgPipeline(**testing.tiny_sd3_pipeline(layers=6).components)
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    torchfix.deepcache.apply(pipe, CFG)
+    got = [latents(pipe, steps=8, image=image, strength=s) for s in (0.5, 0.9)]
+    for strength, out in zip((0.5, 0.9), got):
+        torchfix.deepcache.apply(pipe, CFG)
+        assert torch.equal(latents(pipe, steps=8, image=image, strength=strength), out)
+    torchfix.deepcache.remove(pipe)

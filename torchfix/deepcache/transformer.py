@@ -1,0 +1,237 @@
+"""DeepCache for diffusion transformers (SD3/SD3.5, Flux): run the first and last blocks on
+every step, and on cached steps replace the blocks in between with the residual they added
+at the last full step.
+
+A transformer's blocks are a chain: each takes ``(hidden_states, encoder_hidden_states)``
+and returns ``(encoder_hidden_states, hidden_states)`` (SD3's joint blocks; Flux's double-
+then single-stream blocks). On a full step the middle run ``[keep_first, n - keep_last)``
+runs and its residual ``out - in`` is kept, one per *stream*; on a cached step the first
+middle block returns ``in + residual`` and the others pass their inputs through. The
+first and last blocks, the embedders and the output layers always run, so a cached step
+still sees this step's timestep and latents.
+
+A *stream* is one conditioning: the ``encoder_hidden_states`` object a call passes. A
+pipeline that runs its guidance branches as separate calls (Flux's true CFG, modular
+guiders) gets one cache per branch, and no branch ever sees another's residual. Each
+stream counts its own calls; the first call of each stream is a full step.
+
+>>> from torchfix.deepcache.transformer import analyse_transformer
+>>> # analyse_transformer(flux.transformer).describe(1, 1)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..patches import instance
+from .config import DeepCacheConfig, is_full_step
+from .layout import UnsupportedUNetError
+
+__all__ = ["TransformerCacheState", "TransformerLayout", "analyse_transformer", "apply_transformer", "check_transformer"]
+
+log = logging.getLogger("torchfix")
+
+# Calls that add per-block residuals from outside the blocks (ControlNet) or skip blocks
+# (SD3's skip-layer guidance) cannot reuse a residual of the middle blocks: they run in full.
+_FULL_ONLY = ("block_controlnet_hidden_states", "controlnet_block_samples", "controlnet_single_block_samples", "skip_layers")
+# Separate guidance streams kept per generation before it is treated as a new one.
+MAX_STREAMS = 4
+
+
+@dataclass(frozen=True)
+class TransformerLayout:
+    """The blocks of a diffusion transformer in call order, with their attribute paths."""
+
+    names: tuple[str, ...]
+    blocks: tuple[torch.nn.Module, ...] = field(repr=False, compare=False)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    def describe(self, keep_first: int, keep_last: int) -> str:
+        """Human words for what a cached step skips."""
+        first, last = keep_first, self.n_blocks - keep_last - 1
+        return (
+            f"blocks {self.names[first]} .. {self.names[last]} cached ({last - first + 1} of {self.n_blocks}); "
+            f"the first {keep_first} and last {keep_last} always run"
+        )
+
+
+def analyse_transformer(model: torch.nn.Module) -> TransformerLayout:
+    """The block chain of an SD3- or Flux-like transformer, or a clear error."""
+    names, blocks = [], []
+    for attr in ("transformer_blocks", "single_transformer_blocks"):
+        for i, block in enumerate(getattr(model, attr, None) or ()):
+            names.append(f"{attr}.{i}")
+            blocks.append(block)
+    if not blocks:
+        raise UnsupportedUNetError(
+            f"torchfix.deepcache: {type(model).__name__} has no transformer_blocks; DeepCache for transformers supports "
+            "SD3/SD3.5 (SD3Transformer2DModel) and Flux (FluxTransformer2DModel) layouts."
+        )
+    return TransformerLayout(tuple(names), tuple(blocks))
+
+
+def check_transformer(model: torch.nn.Module, config: DeepCacheConfig) -> TransformerLayout:
+    """The layout, after checking that ``config.keep_first``/``keep_last`` leave blocks to cache."""
+    layout = analyse_transformer(model)
+    n = layout.n_blocks
+    if config.keep_first + config.keep_last >= n:
+        raise ValueError(
+            f"torchfix.deepcache: keep_first={config.keep_first} + keep_last={config.keep_last} leaves nothing to cache in "
+            f"{type(model).__name__}'s {n} blocks; allowed: keep_first + keep_last <= {n - 1}."
+        )
+    last = layout.blocks[-1]
+    if config.keep_last == 0 and getattr(last, "context_pre_only", False):
+        raise ValueError(
+            f"torchfix.deepcache: keep_last=0, but {type(model).__name__}'s last block ({layout.names[-1]}) drops the text "
+            "stream (context_pre_only) and cannot be cached; use keep_last >= 1."
+        )
+    return layout
+
+
+@dataclass
+class _Stream:
+    prompt: Any  # the encoder_hidden_states object this stream is keyed by (held, so its id stays unique)
+    step: int = 0
+    residual: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (text, image) added by the cached blocks
+
+    @property
+    def nbytes(self) -> int:
+        if self.residual is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.residual if t is not None)
+
+
+@dataclass
+class TransformerCacheState:
+    """Everything DeepCache keeps for one transformer. Only the streams' residuals hold activation memory."""
+
+    config: DeepCacheConfig
+    layout: TransformerLayout
+    original_forward: Any
+    handles: list[Any] = field(default_factory=list)
+    streams: dict[int, _Stream] = field(default_factory=dict)
+    signature: tuple | None = None  # (shape, dtype, device) of the latents the streams belong to
+    total: int | None = None
+    pending_new_call: bool = True
+    # per call: "full" (run and keep the residual), "cached" (reuse it) or "off" (run, keep nothing)
+    mode: str = "off"
+    current: _Stream | None = None
+    inputs: tuple[Any, Any] | None = None  # (text, image) entering the middle blocks on a full step
+    full_steps: int = 0
+    cached_steps: int = 0
+    generations: int = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(s.nbytes for s in self.streams.values())
+
+    def reset(self) -> None:
+        """Forget every stream and the current generation."""
+        self.streams.clear()
+        self.signature = None
+        self.pending_new_call = True
+        self.current = None
+        self.inputs = None
+        self.mode = "off"
+
+
+def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arguments: dict[str, Any]) -> None:
+    signature = (tuple(hidden.shape), hidden.dtype, hidden.device)
+    if state.pending_new_call or signature != state.signature or (id(prompt) not in state.streams and len(state.streams) >= MAX_STREAMS):
+        state.reset()
+        state.pending_new_call = False
+        state.signature = signature
+        state.generations += 1
+    stream = state.streams.get(id(prompt))
+    if stream is None or stream.prompt is not prompt:
+        stream = state.streams[id(prompt)] = _Stream(prompt)
+    index = stream.step
+    stream.step += 1
+    config = state.config
+    if any(arguments.get(name) is not None for name in _FULL_ONLY):
+        full, keep = True, False
+    elif stream.residual is None:
+        full, keep = True, config.interval > 1
+    else:
+        full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
+        keep = full
+    state.current = stream
+    state.mode = "cached" if not full else ("full" if keep else "off")
+    if full:
+        state.full_steps += 1
+    else:
+        state.cached_steps += 1
+
+
+def _block_forward(state_ref: weakref.ref[TransformerCacheState], block: torch.nn.Module, first: bool, last: bool) -> Any:
+    original = block.forward
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        state = state_ref()
+        mode = state.mode if state is not None else "off"
+        if mode == "off":
+            return original(*args, **kwargs)
+        if mode == "cached" or first:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            hidden, text = bound.get("hidden_states"), bound.get("encoder_hidden_states")
+        if mode == "cached":
+            if not first:
+                return text, hidden
+            r_text, r_hidden = state.current.residual
+            return (text + r_text if r_text is not None and text is not None else text), hidden + r_hidden
+        if first:
+            state.inputs = (text, hidden)
+        out = original(*args, **kwargs)
+        if last and state.inputs is not None:
+            text_in, hidden_in = state.inputs
+            text_out, hidden_out = out
+            r_text = (text_out - text_in).detach() if text_out is not None and text_in is not None else None
+            state.current.residual = (r_text, (hidden_out - hidden_in).detach())
+            state.inputs = None
+        return out
+
+    forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _model_forward(state: TransformerCacheState) -> Any:
+    original = state.original_forward
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        arguments = sig.bind_partial(*args, **kwargs).arguments
+        _decide(state, arguments["hidden_states"], arguments.get("encoder_hidden_states"), arguments)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.mode, state.inputs = "off", None
+
+    forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: TransformerLayout) -> TransformerCacheState:
+    """Install the block and model forwards on ``model`` (the caller registers the state and the scheduler hook)."""
+    state = TransformerCacheState(config, layout, model.forward)
+    state_ref = weakref.ref(state)
+    first, last = config.keep_first, layout.n_blocks - config.keep_last - 1
+    for i in range(first, last + 1):
+        block = layout.blocks[i]
+        state.handles.append(instance.set_attr(block, "forward", _block_forward(state_ref, block, i == first, i == last)))
+    state.handles.append(instance.set_attr(model, "forward", _model_forward(state)))
+    what = layout.describe(config.keep_first, config.keep_last)
+    log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(model).__name__, what, config.interval)
+    return state
