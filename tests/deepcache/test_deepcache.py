@@ -323,3 +323,28 @@ def test_compile_across_resolutions():
             assert full.shape == cached.shape == x.shape
     assert torchfix.deepcache.stats(unet)["cached_steps"] == 3
     torchfix.deepcache.remove(unet)
+
+
+def test_guidance_branches_called_separately_each_keep_their_own_cache():
+    """Modular guiders, PAG and low-memory samplers call the UNet once per branch and step."""
+    from torchfix.testing import tiny_sd15_unet
+
+    unet = tiny_sd15_unet()
+    cfg = torchfix.DeepCacheConfig(interval=3)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, 4, 8, 8, generator=gen) for _ in range(9)]
+    cond, uncond = torch.randn(1, 77, 32, generator=gen), torch.randn(1, 77, 32, generator=gen)
+
+    def run(prompts):
+        torchfix.deepcache.apply(unet, cfg)
+        outs = []
+        for i, x in enumerate(xs):
+            outs.append([unet(x, 999 - 100 * i, encoder_hidden_states=p).sample for p in prompts])
+        s = torchfix.deepcache.stats(unet)
+        torchfix.deepcache.remove(unet)
+        return outs, s
+
+    both, s = run((uncond, cond))
+    assert (s["full_steps"], s["cached_steps"], s["generations"]) == (6, 12, 1)  # was 18 full, 0 cached
+    alone, _ = run((cond,))
+    assert all(torch.equal(b[1], a[0]) for b, a in zip(both, alone))  # the cond branch never saw the uncond feature

@@ -2,9 +2,11 @@
 
 A *generation* (one pipeline call) starts when the pipeline's scheduler sets
 its timesteps, when :func:`new_call` is called, or when the UNet is called with
-a different ``encoder_hidden_states`` object (a new prompt) or a sample of
-another shape, dtype or device (resolution, batch, guidance). Its first UNet
-call is always a full step. UNet calls are counted, never looked up by
+a sample of another shape, dtype or device (resolution, batch, guidance).
+Within it, each ``encoder_hidden_states`` object (a prompt, or one guidance
+branch called separately) is a *stream* with its own step count and cached
+feature; the first call of every stream is a full step, so a new prompt never
+sees an old feature. UNet calls are counted, never looked up by
 timestep value, so nothing synchronises with the device and repeated
 timesteps (Heun) or keyword/int/1-D timesteps are all fine.
 """
@@ -24,7 +26,7 @@ from ..patches import instance
 from .config import DeepCacheConfig, is_full_step
 from .layout import Layout, analyse
 from .shallow import shallow_forward
-from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
+from .transformer import MAX_STREAMS, TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
 
 __all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
 
@@ -35,17 +37,31 @@ _FULL_ONLY = ("down_intrablock_additional_residuals",)
 
 
 @dataclass
+class _Stream:
+    """One conditioning (the ``encoder_hidden_states`` object a call passes) within a generation."""
+
+    prompt: Any  # held, so the id it is keyed by stays unique
+    step: int = 0
+    feature: torch.Tensor | None = None
+
+
+@dataclass
 class DeepCacheState:
-    """Everything DeepCache keeps for one UNet. Only ``feature`` holds activation memory."""
+    """Everything DeepCache keeps for one UNet. Only the streams' ``feature`` holds activation memory.
+
+    A pipeline that runs its guidance branches as separate UNet calls (modular guiders, PAG,
+    low-memory samplers) passes a different ``encoder_hidden_states`` to each: each is a
+    *stream* with its own step count and cached feature, so caching works as in the batched
+    case and no branch sees another's feature.
+    """
 
     config: DeepCacheConfig
     layout: Layout
     original_forward: Any
     handles: list[Any] = field(default_factory=list)
-    feature: torch.Tensor | None = None
-    signature: tuple | None = None  # (shape, dtype, device) of the sample the feature belongs to
-    prompt: Any = None  # the encoder_hidden_states object of the current generation
-    step: int = 0
+    streams: dict[int, _Stream] = field(default_factory=dict)
+    current: _Stream | None = None  # the stream of the call in progress (or the last one)
+    signature: tuple | None = None  # (shape, dtype, device) of the sample the streams belong to
     total: int | None = None
     pending_new_call: bool = True
     capturing: bool = False
@@ -54,16 +70,24 @@ class DeepCacheState:
     generations: int = 0
 
     @property
+    def feature(self) -> torch.Tensor | None:
+        """The current stream's cached deep feature."""
+        return None if self.current is None else self.current.feature
+
+    @property
+    def step(self) -> int:
+        """UNet calls so far in the current stream of this generation."""
+        return 0 if self.current is None else self.current.step
+
+    @property
     def cache_bytes(self) -> int:
-        f = self.feature
-        return 0 if f is None else f.numel() * f.element_size()
+        return sum(0 if st.feature is None else st.feature.numel() * st.feature.element_size() for st in self.streams.values())
 
     def reset(self) -> None:
-        """Forget the cached feature and the current generation."""
-        self.feature = None
+        """Forget every stream's feature and the current generation."""
+        self.streams.clear()
+        self.current = None
         self.signature = None
-        self.prompt = None
-        self.step = 0
         self.pending_new_call = True
 
 
@@ -164,16 +188,20 @@ def _outside_graphs(fn: Any) -> Any:
 def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool:
     """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
     signature = (tuple(sample.shape), sample.dtype, sample.device)
-    if state.pending_new_call or prompt is not state.prompt or signature != state.signature:
+    known = id(prompt) in state.streams
+    if state.pending_new_call or signature != state.signature or (not known and len(state.streams) >= MAX_STREAMS):
         state.reset()
         state.pending_new_call = False
-        state.prompt = prompt
         state.signature = signature
         state.generations += 1
-    index = state.step
-    state.step += 1
+    stream = state.streams.get(id(prompt))
+    if stream is None or stream.prompt is not prompt:
+        stream = state.streams[id(prompt)] = _Stream(prompt)
+    state.current = stream
+    index = stream.step
+    stream.step += 1
     config = state.config
-    if state.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
+    if stream.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
         full = True
     else:
         full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
@@ -196,17 +224,17 @@ def _capture_hook(state_ref: weakref.ref[DeepCacheState], pre: bool) -> Any:
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
             state = state_ref()
-            if state is not None and state.capturing:
+            if state is not None and state.capturing and state.current is not None:
                 h = kwargs.get("hidden_states", args[0] if args else None)
-                state.feature = h.detach()
+                state.current.feature = h.detach()
 
         return hook
 
     def hook_out(module: torch.nn.Module, args: tuple, output: Any) -> None:
         state = state_ref()
-        if state is not None and state.capturing:
+        if state is not None and state.capturing and state.current is not None:
             h = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
-            state.feature = h.detach()
+            state.current.feature = h.detach()
 
     return hook_out
 
