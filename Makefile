@@ -30,6 +30,7 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/guard_overhead.py
 	$(BIN)/python benchmarks/deepcache.py
+	$(BIN)/python benchmarks/transformer_cache.py
 	$(BIN)/python benchmarks/kernels.py
 
 clean:
