@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..patches import instance
+from ._graphs import outside_graphs as _outside_graphs
 from .config import DeepCacheConfig, is_full_step
 from .layout import Layout, analyse
 from .shallow import shallow_forward
@@ -31,6 +32,9 @@ from .transformer import MAX_STREAMS, TransformerCacheState, TransformerLayout, 
 __all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
 
 log = logging.getLogger("torchfix")
+
+# The name DeepCache's forward has in diffusers' HookRegistry (where the installed diffusers has one).
+HOOK_NAME = "torchfix_deepcache"
 
 # Arguments a cached step cannot honour: those calls run in full.
 _FULL_ONLY = ("down_intrablock_additional_residuals",)
@@ -159,29 +163,11 @@ def stats(target: Any) -> dict[str, Any]:
         "cache_bytes": state.cache_bytes,
     }
     if isinstance(state, TransformerCacheState):
-        out["streams"] = len(state.streams)
+        out["streams"] = state.last_streams
         out["blocks"] = state.layout.describe(state.config.keep_first, state.config.keep_last)
     else:
         out["branch"] = state.layout.describe(state.config.branch)
     return out
-
-
-def _outside_graphs(fn: Any) -> Any:
-    """``torch.compiler.disable(fn)``, made when dynamo first traces a call to ``fn``: decorating
-    at import time would import torch._dynamo (and Triton) with torchfix, ~1.3 s. In eager
-    ``fn`` runs directly; while dynamo traces, the call to ``torch.compiler.disable`` itself is
-    a graph break that runs eagerly once, and every trace after that calls the disabled function."""
-    disabled: list[Any] = []
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
-
-    return wrapper
 
 
 @_outside_graphs
@@ -240,25 +226,29 @@ def _capture_hook(state_ref: weakref.ref[DeepCacheState], pre: bool) -> Any:
 
 
 def _make_forward(unet: torch.nn.Module, state: DeepCacheState) -> Any:
-    original = state.original_forward
-    sig = inspect.signature(original)
+    """The factory :func:`instance.wrap_forward` builds the UNet's forward with."""
     unet_ref = weakref.ref(unet)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind(*args, **kwargs)
-        arguments = bound.arguments
-        sample = arguments["sample"]
-        if _decide(state, sample, arguments.get("encoder_hidden_states"), arguments):
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _done_full(state)
-        extra = arguments.pop("kwargs", None) or {}
-        return shallow_forward(unet_ref(), state.layout, state.config.branch, state.feature, **arguments, **extra)
+    def make(original: Any, source: Any) -> Any:
+        sig = inspect.signature(source)
 
-    forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
-    return forward
+        @functools.wraps(source)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            arguments = bound.arguments
+            sample = arguments["sample"]
+            if _decide(state, sample, arguments.get("encoder_hidden_states"), arguments):
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    _done_full(state)
+            extra = arguments.pop("kwargs", None) or {}
+            return shallow_forward(unet_ref(), state.layout, state.config.branch, state.feature, **arguments, **extra)
+
+        forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+        return forward
+
+    return make
 
 
 def _install_scheduler_hook(pipe: Any, unet: torch.nn.Module) -> list[Any]:
@@ -317,7 +307,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState 
     else:
         producer = up.attentions[j - 1] if getattr(up, "attentions", None) is not None else up.resnets[j - 1]
         state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False)))
-    state.handles.append(instance.set_attr(unet, "forward", _make_forward(unet, state)))
+    state.handles.append(instance.wrap_forward(unet, HOOK_NAME, _make_forward(unet, state), reset=state.reset))
     if pipe is not None:
         state.handles.extend(_install_scheduler_hook(pipe, unet))
     _STATES[unet] = state

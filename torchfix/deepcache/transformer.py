@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..patches import instance
+from ._graphs import outside_graphs
 from .config import DeepCacheConfig, is_full_step
 from .layout import UnsupportedUNetError
 
@@ -43,6 +44,8 @@ log = logging.getLogger("torchfix")
 _FULL_ONLY = ("block_controlnet_hidden_states", "controlnet_block_samples", "controlnet_single_block_samples", "skip_layers")
 # Separate guidance streams kept per generation before it is treated as a new one.
 MAX_STREAMS = 4
+# DeepCache's name in diffusers' HookRegistry (the model; its blocks get HOOK_NAME + "_block").
+HOOK_NAME = "torchfix_deepcache"
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class TransformerCacheState:
     full_steps: int = 0
     cached_steps: int = 0
     generations: int = 0
+    last_streams: int = 0  # streams of the current (or last) generation; kept when the cache is freed
 
     @property
     def cache_bytes(self) -> int:
@@ -145,7 +149,9 @@ class TransformerCacheState:
         self.mode = "off"
 
 
+@outside_graphs
 def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arguments: dict[str, Any]) -> None:
+    """Pick the stream and whether this call is full. Kept out of compiled graphs: it is Python state."""
     signature = (tuple(hidden.shape), hidden.dtype, hidden.device)
     if state.pending_new_call or signature != state.signature or (id(prompt) not in state.streams and len(state.streams) >= MAX_STREAMS):
         state.reset()
@@ -155,6 +161,7 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     stream = state.streams.get(id(prompt))
     if stream is None or stream.prompt is not prompt:
         stream = state.streams[id(prompt)] = _Stream(prompt)
+    state.last_streams = len(state.streams)
     index = stream.step
     stream.step += 1
     config = state.config
@@ -173,11 +180,14 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
         state.cached_steps += 1
 
 
-def _block_forward(state_ref: weakref.ref[TransformerCacheState], block: torch.nn.Module, first: bool, last: bool) -> Any:
-    original = block.forward
-    sig = inspect.signature(original)
+def _block_forward(state_ref: weakref.ref[TransformerCacheState], first: bool, last: bool) -> Any:
+    return lambda original, source: _block_forward_of(state_ref, first, last, original, source)
 
-    @functools.wraps(original)
+
+def _block_forward_of(state_ref: weakref.ref[TransformerCacheState], first: bool, last: bool, original: Any, source: Any) -> Any:
+    sig = inspect.signature(source)
+
+    @functools.wraps(source)
     def forward(*args: Any, **kwargs: Any) -> Any:
         state = state_ref()
         mode = state.mode if state is not None else "off"
@@ -207,20 +217,22 @@ def _block_forward(state_ref: weakref.ref[TransformerCacheState], block: torch.n
 
 
 def _model_forward(state: TransformerCacheState) -> Any:
-    original = state.original_forward
-    sig = inspect.signature(original)
+    def make(original: Any, source: Any) -> Any:
+        sig = inspect.signature(source)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        arguments = sig.bind_partial(*args, **kwargs).arguments
-        _decide(state, arguments["hidden_states"], arguments.get("encoder_hidden_states"), arguments)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            state.mode, state.inputs = "off", None
+        @functools.wraps(source)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            arguments = sig.bind_partial(*args, **kwargs).arguments
+            _decide(state, arguments["hidden_states"], arguments.get("encoder_hidden_states"), arguments)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                state.mode, state.inputs = "off", None
 
-    forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
-    return forward
+        forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+        return forward
+
+    return make
 
 
 def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: TransformerLayout) -> TransformerCacheState:
@@ -229,9 +241,9 @@ def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: T
     state_ref = weakref.ref(state)
     first, last = config.keep_first, layout.n_blocks - config.keep_last - 1
     for i in range(first, last + 1):
-        block = layout.blocks[i]
-        state.handles.append(instance.set_attr(block, "forward", _block_forward(state_ref, block, i == first, i == last)))
-    state.handles.append(instance.set_attr(model, "forward", _model_forward(state)))
+        make = _block_forward(state_ref, i == first, i == last)
+        state.handles.append(instance.wrap_forward(layout.blocks[i], HOOK_NAME + "_block", make))
+    state.handles.append(instance.wrap_forward(model, HOOK_NAME, _model_forward(state), reset=state.reset))
     what = layout.describe(config.keep_first, config.keep_last)
     log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(model).__name__, what, config.interval)
     return state

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttrHandle", "HookHandle", "TensorHandle", "add_hook", "set_attr", "swap_tensor"]
+__all__ = ["AttrHandle", "ForwardHandle", "HookHandle", "TensorHandle", "add_hook", "set_attr", "swap_tensor", "wrap_forward"]
 
 _MISSING = object()
 
@@ -70,6 +70,89 @@ def add_hook(module: torch.nn.Module, fn: Callable[..., Any], *, pre: bool = Fal
     if pre:
         return HookHandle(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
     return HookHandle(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+
+Forward = Callable[..., Any]
+
+
+def _hook_registry() -> Any:
+    """diffusers' ``HookRegistry`` where the installed diffusers has one (0.32+), else ``None``."""
+    import sys
+
+    if "diffusers" not in sys.modules:  # never import diffusers for a model that does not come from it
+        return None
+    try:
+        from diffusers.hooks import HookRegistry, ModelHook
+    except ImportError:
+        return None
+    return HookRegistry, ModelHook
+
+
+@dataclass
+class ForwardHandle:
+    """A ``forward`` replaced by :func:`wrap_forward`; ``restore()`` takes it out of the chain."""
+
+    module: torch.nn.Module
+    name: str
+    attr: AttrHandle | None = None  # the plain path (no diffusers HookRegistry)
+    created_registry: bool = False
+    had_forward: bool = False
+    active: bool = True
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self.attr is not None:
+            self.attr.restore()
+            return
+        registry = getattr(self.module, "_diffusers_hook", None)
+        if registry is None:
+            return
+        registry.remove_hook(self.name, recurse=False)
+        if self.created_registry and not registry.hooks:  # nobody else hooked it: leave the module as it was
+            vars(self.module).pop("_diffusers_hook", None)
+            if not self.had_forward:
+                vars(self.module).pop("forward", None)
+
+
+def wrap_forward(
+    module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None = None
+) -> ForwardHandle:
+    """Replace ``module.forward`` by ``make(call_original, signature_source)``.
+
+    ``call_original`` calls whatever ``forward`` lies underneath at call time, and
+    ``signature_source`` is the forward to read the signature from. Where diffusers has its
+    ``HookRegistry``, the replacement is registered there as the named ``ModelHook`` ``name``
+    (``reset`` as its ``reset_state``), so diffusers' layerwise casting, group offloading and
+    caches see it and compose with it, in any order; otherwise it is an instance attribute.
+    Either way ``restore()`` takes exactly it out.
+    """
+    source = module.forward
+    found = _hook_registry()
+    if found is None:
+        return ForwardHandle(module, name, attr=set_attr(module, "forward", make(source, source)))
+    registry_cls, model_hook = found
+    created = not hasattr(module, "_diffusers_hook")
+    had_forward = "forward" in vars(module)
+
+    class _TorchfixHook(model_hook):  # type: ignore[misc, valid-type]
+        _is_stateful = reset is not None
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.forward = make(lambda *a, **k: self.fn_ref.original_forward(*a, **k), source)
+
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self.forward(*args, **kwargs)
+
+        def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+            if reset is not None:
+                reset()
+            return module
+
+    registry_cls.check_if_exists_or_initialize(module).register_hook(_TorchfixHook(), name)
+    return ForwardHandle(module, name, created_registry=created, had_forward=had_forward)
 
 
 @dataclass
