@@ -142,3 +142,11 @@ def test_events_name_the_component_under_plain_import_torchfix():
         modules = {e.module for e in torchfix.report().events}
     assert "text_encoder_2.text_projection" in modules
     assert "text_encoder_3.encoder.block.0.layer.1.DenseReluDense.wi" in modules
+
+
+def test_a_t5_sequence_length_beyond_the_tokenizer_is_refused_before_running():
+    pipe = testing.tiny_sd3_pipeline()
+    pipe.tokenizer_3.model_max_length = 64
+    with pytest.raises(ValueError, match=r"max_sequence_length=128 is longer than tokenizer_3.model_max_length=64"):
+        torchfix.wrap(pipe)("a cat", max_sequence_length=128, **KW)
+    assert torch.isfinite(torchfix.wrap(pipe)("a cat", max_sequence_length=64, **KW).images).all()

@@ -281,8 +281,18 @@ class PipelineProxy(wrapt.ObjectProxy):
     # --- calls -----------------------------------------------------------------------------
 
     def _check_embeddings(self, kwargs: dict[str, Any]) -> None:
-        """Precomputed embeddings of another model are refused before anything runs, naming both widths."""
+        """Precomputed embeddings of another model are refused before anything runs, naming both widths; so is a
+        T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently)."""
         pipe = self.__wrapped__
+        length = kwargs.get("max_sequence_length")
+        t5_tokenizer = getattr(pipe, "tokenizer_3", None) or (getattr(pipe, "tokenizer_2", None) if hasattr(pipe, "transformer") else None)
+        limit = getattr(t5_tokenizer, "model_max_length", None)
+        if isinstance(length, int) and isinstance(limit, int) and limit < 10**6 and length > limit:
+            name = "tokenizer_3" if getattr(pipe, "tokenizer_3", None) is not None else "tokenizer_2"
+            raise ValueError(
+                f"torchfix: max_sequence_length={length} is longer than {name}.model_max_length={limit} (the T5 tokenizer "
+                f"of {type(pipe).__name__}): the prompt would be cut to {limit} tokens silently. Pass max_sequence_length <= {limit}."
+            )
         expected = _expected_widths(pipe)
         for group, keys in (("text", ("prompt_embeds", "negative_prompt_embeds")), ("pooled", _POOLED_KEYS)):
             want = expected.get(group)
