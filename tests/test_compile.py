@@ -104,3 +104,27 @@ def test_no_graph_breaks_with_a_scoped_block_inside_another():
     with torchfix.enabled(), torchfix.enabled(mode="warn"):
         explain = torch._dynamo.explain(model)(torch.randn(2, 4, 8))
     assert explain.graph_break_count == 0, explain.break_reasons
+
+
+def test_known_issue_rows_apply_compiled_as_eagerly():
+    """A row in force here is traced into the compiled graph (before, rows were skipped while compiling)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torchfix.guards import known_issues as ki
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    row = torchfix.add_known_issue(torchfix.KnownIssue("cpu", ("mm",), ki.any_noncontiguous, "test#compiled", "contiguous"))
+    try:
+        a, b = torch.randn(8, 8), torch.randn(8, 8).t()
+        with torchfix.enabled(), torch.no_grad():
+            eager = torch.mm(a, b)
+            compiled = torch.compile(lambda x, y: torch.mm(x, y), backend=aot_autograd(fw_compiler=keep), fullgraph=True)(a, b)
+    finally:
+        torchfix.remove_known_issue(row)
+    assert torch.equal(compiled, eager)
+    assert any("aten.clone.default" in g for g in graphs), graphs  # the row's contiguous copy is in the graph

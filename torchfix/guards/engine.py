@@ -520,8 +520,9 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params, *s[5:]) for (n, t), s in zip(tensors.items(), key[2]))
             key = (*key[:2], signature, *key[3:8], keep)
             findings = list(_decide_dtype_device(*key))
-    if settings.stride_on and not compiling and first.device.type in ki.ACTIVE_DEVICE_TYPES:
-        f = stride_guard.decide(spec.family, _with_out(tensors, kwargs), device_type=first.device.type)
+    rows = ki.in_force(spec.family, first.device.type) if settings.stride_on else ()
+    if rows:  # known-issue rows apply compiled as eagerly: their predicates are plain metadata reads
+        f = stride_guard.decide(spec.family, _with_out(tensors, kwargs), device_type=first.device.type, rows=rows)
         if f is not None:
             findings.append(f)
     notes = [f for f in findings if f.advisory]
@@ -556,7 +557,7 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
         before = dict(_with_out(bound.tensors, bound.kwargs) if finding.guard == "stride" else bound.tensors)
         if finding.guard == "stride" and len(findings) > 1:
             # Re-check on the already cast/moved tensors: a cast copy is contiguous now.
-            rechecked = stride_guard.decide(spec.family, _with_out(bound.tensors, bound.kwargs), device_type=first.device.type)
+            rechecked = stride_guard.decide(spec.family, _with_out(bound.tensors, bound.kwargs), device_type=first.device.type, rows=rows)
             if rechecked is None:
                 continue
             finding = rechecked

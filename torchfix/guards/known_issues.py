@@ -39,6 +39,7 @@ __all__ = [
     "any_noncontiguous",
     "entries",
     "holder",
+    "in_force",
     "in_force_here",
     "matching",
     "parse_version",
@@ -476,6 +477,8 @@ ACTIVE_DEVICE_TYPES: frozenset[str] = frozenset()
 # closure index is cheaper than a module attribute on the per-call path). A process with
 # no row in force for a family (Linux with CPU/CUDA today, bar sdpa on CUDA) pays nothing.
 _HOLDERS: dict[str, list[frozenset[str]]] = {}
+# (family, device type) -> the rows in force here, decided eagerly so that a traced call only runs predicates.
+_IN_FORCE: dict[tuple[str, str], tuple[KnownIssue, ...]] = {}
 
 
 def _backend_usable(device_type: str) -> bool:
@@ -525,13 +528,23 @@ def states() -> list[RowState]:
     return out
 
 
+def in_force(family: str, device_type: str) -> tuple[KnownIssue, ...]:
+    """The rows in force in this process for an op family on a device type (computed when the
+    first wrapper asks for its holder, and again on :func:`add` / :func:`remove`)."""
+    return _IN_FORCE.get((family, device_type), ())
+
+
 def _refresh() -> None:
     global ACTIVE_DEVICE_TYPES
     by_family: dict[str, set[str]] = {}
+    in_force_rows: dict[tuple[str, str], list[KnownIssue]] = {}
     for e in _entries:
         if in_force_here(e)[0]:
             for family in e.ops:
                 by_family.setdefault(family, set()).add(e.device_type)
+                in_force_rows.setdefault((family, e.device_type), []).append(e)
+    _IN_FORCE.clear()
+    _IN_FORCE.update({k: tuple(v) for k, v in in_force_rows.items()})
     ACTIVE_DEVICE_TYPES = frozenset(t for types in by_family.values() for t in types)
     for family, cell in _HOLDERS.items():
         cell[0] = frozenset(by_family.get(family, ()))

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -27,9 +27,21 @@ def decide(
     device_type: str,
     torch_version: str = ki.TORCH_VERSION,
     os_version: str | None = ki.OS_VERSION,
+    rows: Sequence[ki.KnownIssue] | None = None,
 ) -> Finding | None:
-    """The stride finding for one call: the workarounds of every matching row."""
-    matches = ki.matching(family, tensors, device_type=device_type, torch_version=torch_version, os_version=os_version)
+    """The stride finding for one call: the workarounds of every matching row.
+
+    ``rows``: rows already known to be in force (:func:`known_issues.in_force`); only their
+    predicates are evaluated, which is all that runs while torch.compile traces.
+    """
+    if rows is None:
+        matches = ki.matching(family, tensors, device_type=device_type, torch_version=torch_version, os_version=os_version)
+    else:
+        matches = []
+        for e in rows:  # a plain loop: dynamo cannot read a comprehension's walrus cell
+            names = tuple(e.predicate(tensors))
+            if names:
+                matches.append((e, names))
     if not matches:
         return None
     actions: list[Action] = []
