@@ -128,3 +128,24 @@ def test_known_issue_rows_apply_compiled_as_eagerly():
         torchfix.remove_known_issue(row)
     assert torch.equal(compiled, eager)
     assert any("aten.clone.default" in g for g in graphs), graphs  # the row's contiguous copy is in the graph
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_pipeline_matches_eager_bit_for_bit_with_a_fix_and_strict_raises(backend):
+    pytest.importorskip("diffusers")
+    from torchfix import testing
+
+    pipe = testing.tiny_sd15_pipeline()
+    pipe.unet.down_blocks[1].attentions[0].proj_in.half()  # a stray fp16 layer: torch raises, torchfix casts per call
+    with pytest.raises(RuntimeError, match="type"):
+        testing.latents(pipe, steps=2)
+    with torchfix.enabled():
+        eager = testing.latents(pipe, steps=3)
+        unet = pipe.unet
+        pipe.unet = torch.compile(unet, backend=backend)
+        try:
+            assert torch.equal(testing.latents(pipe, steps=3), eager)
+            with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError):
+                testing.latents(pipe, steps=2)  # the mode change reaches the compiled UNet
+        finally:
+            pipe.unet = unet
