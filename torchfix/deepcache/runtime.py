@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from ..patches import instance
+from . import streams
 from ._graphs import outside_graphs as _outside_graphs
 from .config import DeepCacheConfig, is_full_step
 from .layout import Layout, analyse
 from .shallow import shallow_forward
-from .transformer import MAX_STREAMS, TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
+from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
 
 __all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
 
@@ -173,17 +174,7 @@ def stats(target: Any) -> dict[str, Any]:
 @_outside_graphs
 def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool:
     """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
-    signature = (tuple(sample.shape), sample.dtype, sample.device)
-    known = id(prompt) in state.streams
-    if state.pending_new_call or signature != state.signature or (not known and len(state.streams) >= MAX_STREAMS):
-        state.reset()
-        state.pending_new_call = False
-        state.signature = signature
-        state.generations += 1
-    stream = state.streams.get(id(prompt))
-    if stream is None or stream.prompt is not prompt:
-        stream = state.streams[id(prompt)] = _Stream(prompt)
-    state.current = stream
+    stream = streams.enter(state, sample, prompt, _Stream)
     index = stream.step
     stream.step += 1
     config = state.config

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..patches import instance
+from . import streams
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig, is_full_step
 from .layout import UnsupportedUNetError
@@ -42,8 +43,6 @@ log = logging.getLogger("torchfix")
 # Calls that add per-block residuals from outside the blocks (ControlNet) or skip blocks
 # (SD3's skip-layer guidance) cannot reuse a residual of the middle blocks: they run in full.
 _FULL_ONLY = ("block_controlnet_hidden_states", "controlnet_block_samples", "controlnet_single_block_samples", "skip_layers")
-# Separate guidance streams kept per generation before it is treated as a new one.
-MAX_STREAMS = 4
 # DeepCache's name in diffusers' HookRegistry (the model; its blocks get HOOK_NAME + "_block").
 HOOK_NAME = "torchfix_deepcache"
 
@@ -152,15 +151,7 @@ class TransformerCacheState:
 @outside_graphs
 def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arguments: dict[str, Any]) -> None:
     """Pick the stream and whether this call is full. Kept out of compiled graphs: it is Python state."""
-    signature = (tuple(hidden.shape), hidden.dtype, hidden.device)
-    if state.pending_new_call or signature != state.signature or (id(prompt) not in state.streams and len(state.streams) >= MAX_STREAMS):
-        state.reset()
-        state.pending_new_call = False
-        state.signature = signature
-        state.generations += 1
-    stream = state.streams.get(id(prompt))
-    if stream is None or stream.prompt is not prompt:
-        stream = state.streams[id(prompt)] = _Stream(prompt)
+    stream = streams.enter(state, hidden, prompt, _Stream)
     state.last_streams = len(state.streams)
     index = stream.step
     stream.step += 1
@@ -172,7 +163,6 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     else:
         full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
         keep = full
-    state.current = stream
     state.mode = "cached" if not full else ("full" if keep else "off")
     if full:
         state.full_steps += 1
