@@ -481,10 +481,6 @@ _HOLDERS: dict[str, list[frozenset[str]]] = {}
 _IN_FORCE: dict[tuple[str, str], tuple[KnownIssue, ...]] = {}
 
 
-def _backend_usable(device_type: str) -> bool:
-    return devices.backend_usable(device_type)
-
-
 def in_force_here(entry: KnownIssue) -> tuple[bool, str]:
     """Whether ``entry`` is in force in this process, with the exact reason.
 
@@ -493,7 +489,7 @@ def in_force_here(entry: KnownIssue) -> tuple[bool, str]:
     (False, True)
     """
     ok, why = entry.explain(entry.device_type, TORCH_VERSION, OS_VERSION)
-    if ok and not _backend_usable(entry.device_type):
+    if ok and not devices.backend_usable(entry.device_type):
         return False, f"{why}; but no usable {entry.device_type} device in this process"
     return ok, why
 
@@ -518,7 +514,7 @@ class RowState:
 def states() -> list[RowState]:
     """Every row with its torch range, macOS range and why it is or is not in force here.
 
-    >>> any(s.in_force for s in states() if s.device_type == "mps") == (OS_VERSION is not None and _backend_usable("mps"))
+    >>> any(s.in_force for s in states() if s.device_type == "mps") == (OS_VERSION is not None and devices.backend_usable("mps"))
     True
     """
     out = []
