@@ -161,8 +161,9 @@ def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM, heads: in
     )
 
 
-def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM) -> Any:
-    """SDXL layout: no attention at the highest resolution, ``text_time`` added conditioning."""
+def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM, time_ids: int = 6) -> Any:
+    """SDXL layout: no attention at the highest resolution, ``text_time`` added conditioning with
+    ``time_ids`` time ids (6 for the base model; 5 for the refiner, which adds an aesthetic score)."""
     return _tiny_unet(
         seed,
         block_out_channels=(8, 16, 32),
@@ -173,7 +174,7 @@ def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM) -> An
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=6 * 8 + TEXT_DIM,
+        projection_class_embeddings_input_dim=time_ids * 8 + TEXT_DIM,
     )
 
 
@@ -231,17 +232,7 @@ def tiny_sdxl_refiner_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: 
     UNet with ``requires_aesthetics_score`` conditioning (5 time ids: size, crop, aesthetic score)."""
     from diffusers import StableDiffusionXLImg2ImgPipeline
 
-    unet = _tiny_unet(
-        seed,
-        block_out_channels=(8, 16, 32),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=TEXT_DIM,
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=5 * 8 + TEXT_DIM,
-    )
+    unet = tiny_sdxl_unet(seed, cross_attention_dim=TEXT_DIM, time_ids=5)  # cross-attends to text_encoder_2 only
     pipe = StableDiffusionXLImg2ImgPipeline(
         vae=tiny_vae(seed),
         text_encoder=None,
