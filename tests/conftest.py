@@ -12,7 +12,7 @@ import torch
 import torchfix
 from torchfix import _context
 from torchfix.config import OFF
-from torchfix.patches import PATCHES
+from torchfix.patches import ALL as PATCHES
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfix
-from torchfix.patches import PATCHES
+from torchfix.patches import ALL as PATCHES
 
 from .conftest import ORIGINALS, leaked
 

@@ -149,3 +149,74 @@ def test_a_compiled_pipeline_matches_eager_bit_for_bit_with_a_fix_and_strict_rai
                 testing.latents(pipe, steps=2)  # the mode change reaches the compiled UNet
         finally:
             pipe.unet = unet
+
+
+class _Kept(torch.nn.Module):
+    """A bf16 model whose ``proj`` stays float32 (listed), with an fp16 buffer it multiplies by."""
+
+    _keep_in_fp32_modules = ("proj",)
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.proj = torch.nn.Linear(8, 8)  # float32 on purpose: F.linear(bf16, fp32) raises, its input is cast up
+        self.register_buffer("mix", torch.randn(8, 8, dtype=torch.float16))  # a buffer follows the activations
+
+    def forward(self, x):
+        return torch.matmul(self.proj(self.inp(x)).to(torch.bfloat16), self.mix)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_kept_modules_and_buffers_decide_compiled_as_eagerly(backend, how):
+    """_keep_in_fp32_modules and buffers are known from marks on the tensors, which dynamo reads and
+    guards on: compiled == eager, bit for bit (without the marks the compiled proj casts its weight
+    down and the matmul promotes to float32)."""
+    model = _Kept()
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with torchfix.enabled(), torch.no_grad():
+        eager = model(x)
+        if how == "torch.compile":
+            compiled = torch.compile(model, backend=backend, fullgraph=True)
+        else:
+            compiled = _Kept()
+            compiled.load_state_dict(model.state_dict())
+            compiled.compile(backend=backend, fullgraph=True)
+        got = compiled(x)
+    assert eager.dtype == torch.bfloat16  # the activations won the matmul against the buffer
+    assert eager.dtype == got.dtype and torch.equal(got, eager)
+    upcast = torch.nn.functional.linear(model.inp(x).float(), model.proj.weight, model.proj.bias)
+    assert torch.equal(eager, torch.matmul(upcast.to(torch.bfloat16), model.mix.to(torch.bfloat16)))
+
+
+def test_keep_dtype_decides_compiled_as_eagerly_and_the_decorator_form_is_torchs():
+    lin = torchfix.keep_dtype(torch.nn.Linear(8, 8))  # kept in float32 on purpose: its input is cast up
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+
+    def f(x):
+        return lin(x * 2)
+
+    with torchfix.enabled(), torch.no_grad():
+        eager = f(x)
+        decorated = torch.compile(backend="eager", fullgraph=True)(f)  # torch.compile(...)(fn), as torch gives it
+        got = decorated(x)
+    assert eager.dtype == torch.float32 and torch.equal(got, eager)
+
+
+def test_wrap_marks_kept_tensors_and_unwrap_removes_its_marks():
+    pytest.importorskip("diffusers")
+    from torchfix import _kept, testing
+
+    pipe = testing.tiny_sd15_pipeline()
+    pipe.text_encoder._keep_in_fp32_modules = ["final_layer_norm"]
+    try:
+        weight = next(m for n, m in pipe.text_encoder.named_modules() if n.endswith("final_layer_norm")).weight
+        buffer = next(pipe.text_encoder.buffers())
+        wrapped = torchfix.wrap(pipe)
+        wrapped.preflight()
+        assert _kept.is_kept(weight, ()) and _kept.is_owned(buffer, None)
+        wrapped.unwrap()
+        assert not _kept.is_kept(weight, ()) and not _kept.is_owned(buffer, None)
+        assert _kept.KEEP not in weight.__dict__ and _kept.OWNED not in buffer.__dict__
+    finally:
+        del pipe.text_encoder._keep_in_fp32_modules

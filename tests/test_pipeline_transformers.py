@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -15,6 +16,8 @@ pytest.importorskip("diffusers")
 
 from torchfix import testing
 from torchfix.testing import latents
+
+from .test_pipeline import snapshot
 
 KW = dict(num_inference_steps=2, height=64, width=64, output_type="latent")
 
@@ -150,3 +153,39 @@ def test_a_t5_sequence_length_beyond_the_tokenizer_is_refused_before_running():
     with pytest.raises(ValueError, match=r"max_sequence_length=128 is longer than tokenizer_3.model_max_length=64"):
         torchfix.wrap(pipe)("a cat", max_sequence_length=128, **KW)
     assert torch.isfinite(torchfix.wrap(pipe)("a cat", max_sequence_length=64, **KW).images).all()
+
+
+@pytest.mark.parametrize("mode", ["off", "fix", "warn", "strict"])
+def test_t5_wo_kept_in_float32_in_a_bf16_sd3_is_never_a_finding_or_a_change(mode):
+    """What from_pretrained(torch_dtype=bfloat16) gives: T5EncoderModel._keep_in_fp32_modules == ["wo"], and T5
+    casts its hidden states to wo's dtype itself, so torch runs it; torchfix must neither flag nor change it."""
+    pipe = testing.tiny_sd3_pipeline(layers=2)
+    pipe.to(torch.bfloat16)
+    t5 = pipe.text_encoder_3
+    assert "wo" in type(t5)._keep_in_fp32_modules
+    kept = [m for n, m in t5.named_modules() if n.rsplit(".", 1)[-1] == "wo"]
+    assert kept
+    for m in kept:
+        m.to(torch.float32)
+    plain = latents(pipe, steps=2)
+    ids = pipe.tokenizer_3("a cat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        plain_t5 = t5(ids).last_hidden_state
+    before = snapshot(pipe)
+    w = torchfix.wrap(pipe, mode=mode)
+    assert w.preflight() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchfix.TorchfixWarning)
+        assert torch.equal(latents(w, steps=2), plain)
+    assert w.findings == [] and w.kept_bytes == 0
+    assert not [e for e in torchfix.report().events if e.action != "noted"]
+    w.unwrap()
+    assert snapshot(pipe) == before
+    if mode == "fix":  # compiled (dynamo adds attributes of its own), with the wrap's marks on wo: still torch's T5
+        w = torchfix.wrap(pipe)
+        w.preflight()
+        torch._dynamo.reset()
+        with torchfix.enabled(), torch.no_grad():
+            assert torch.equal(torch.compile(t5, backend="eager")(ids).last_hidden_state, plain_t5)
+        torch._dynamo.reset()
+        w.unwrap()

@@ -11,6 +11,7 @@ False
 """
 
 from . import deepcache, devices, kernels
+from ._kept import keep_dtype
 from ._report import FixEvent, Report, report
 from ._state import Status, current, disable, enable, enabled, is_enabled, status
 from .audit import AuditFinding, AuditReport, audit
@@ -24,7 +25,6 @@ from .errors import (
     TorchfixError,
     TorchfixWarning,
 )
-from .guards.engine import keep_dtype
 from .guards.known_issues import KnownIssue
 from .guards.known_issues import add as add_known_issue
 from .guards.known_issues import remove as remove_known_issue

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _context, _frames, deepcache
+from . import _context, _frames, _kept, deepcache
 from ._context import current
 from ._report import FixEvent, report
 from ._state import enabled
@@ -190,6 +190,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._self_fingerprint: dict[str, int] | None = None
         self._self_findings: list[Finding] = []
         self._self_named: list[torch.nn.Module] = []
+        self._self_marks: list[_kept.Mark] = []  # marks set on kept tensors and buffers, undone by unwrap
         self._self_cached_unet: torch.nn.Module | None = None
         self._self_swaps: list[TensorHandle] = []  # every tensor wrap replaced, with its original
         self._self_learned = False  # the first call since the last preflight has told which parameters to cast
@@ -249,6 +250,11 @@ class PipelineProxy(wrapt.ObjectProxy):
             else:
                 fix = "move the pipeline with pipe.to(device), or wrap(pipe, device=...)"
                 findings.append(Finding("pipeline", f"components on different devices: {where}", fix, kind="device"))
+
+        # Kept-precision parameters and buffers, marked on the tensors (after any move: the moved
+        # copies are the ones that run), so that a compiled component decides as it does eagerly.
+        for module in modules.values():
+            self._self_marks += _kept.mark_model(module)
 
         findings += self._conditioning()
         self._self_findings = findings
@@ -422,6 +428,8 @@ class PipelineProxy(wrapt.ObjectProxy):
         for module in self._self_named:
             _frames.name_root(module, None)
         self._self_named = []
+        _kept.unmark(self._self_marks)
+        self._self_marks = []
 
     def unwrap(self) -> Any:
         """Remove everything torchfix attached (DeepCache, names, caches, references), put back every

@@ -11,7 +11,6 @@ is asked of torch itself (:mod:`torchfix.guards.accepts`).
 """
 
 from . import accepts, device, dtype, known_issues, stride
-from .engine import is_kept, keep_dtype
 from .known_issues import KnownIssue
 from .ops import SPECS, OpSpec
 from .plan import Action, Finding, Operand
@@ -26,8 +25,6 @@ __all__ = [
     "accepts",
     "device",
     "dtype",
-    "is_kept",
-    "keep_dtype",
     "known_issues",
     "stride",
 ]

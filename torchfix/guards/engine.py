@@ -12,13 +12,12 @@ import functools
 import logging
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from .. import _context, _frames
+from .. import _context, _frames, _kept
 from .. import kernels as kernels_mod
 from .._report import FixEvent, report
 from ..config import Settings
@@ -34,7 +33,7 @@ from .messages import action_text, compiled_error_message, error_message
 from .ops import OpSpec
 from .plan import Action, Finding, Operand
 
-__all__ = ["guarded_call", "is_kept", "keep_dtype"]
+__all__ = ["guarded_call"]
 
 log = logging.getLogger("torchfix")
 
@@ -50,49 +49,6 @@ def _constant(fn: _F) -> _F:
     without importing dynamo when torchfix is imported)."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
-
-
-# --- modules kept in their precision on purpose ------------------------------------------
-
-_kept_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-# id(param) -> weakref; a WeakSet would compare tensors with == on a hash collision.
-_kept_params: dict[int, weakref.ref[torch.Tensor]] = {}
-
-
-def keep_dtype(module: torch.nn.Module) -> torch.nn.Module:
-    """Mark a module as kept in its precision on purpose (like diffusers'
-    ``_keep_in_fp32_modules``): when dtypes meet in it, its *input* is cast
-    to its weight's dtype instead of its weights to the input's.
-
-    >>> import torch, torchfix
-    >>> norm = torchfix.keep_dtype(torch.nn.LayerNorm(4))
-    """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"torchfix.keep_dtype takes an nn.Module, not {type(module).__name__}.")
-    _kept_modules.add(module)
-    for p in module.parameters():
-        _kept_params[id(p)] = weakref.ref(p, functools.partial(_forget_param, id(p)))
-    return module
-
-
-def _forget_param(key: int, _ref: object) -> None:
-    _kept_params.pop(key, None)
-
-
-def is_kept(weight: torch.Tensor | None, chain: Sequence[torch.nn.Module]) -> bool:
-    """Whether the op that uses ``weight`` runs in a module kept in its precision."""
-    if weight is None:
-        return False
-    ref = _kept_params.get(id(weight))
-    if (ref is not None and ref() is weight) or any(m in _kept_modules for m in chain):
-        return True
-    if not chain or weight.dtype != torch.float32:
-        return False
-    # diffusers/transformers name fp32-kept submodules on the model class.
-    return any(
-        getattr(root, "_keep_in_fp32_modules", None) and dtype_guard.kept_in_fp32(root, _frames.module_path([chain[0], root]) or "")
-        for root in reversed(chain)
-    )
 
 
 # --- binding -----------------------------------------------------------------------------
@@ -161,13 +117,6 @@ def _with_out(tensors: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) ->
     """The operands, plus an ``out=`` tensor when one is given (known-issue rows can name it)."""
     out = kwargs.get("out")
     return {**tensors, "out": out} if isinstance(out, torch.Tensor) else tensors
-
-
-def _is_param(t: torch.Tensor, chain: Sequence[torch.nn.Module] | None) -> bool:
-    """A parameter, or a buffer of a module being run: it follows the activations."""
-    if isinstance(t, torch.nn.Parameter):
-        return True
-    return chain is not None and any(t is b for m in chain for b in m._buffers.values())
 
 
 def _accepted(op: str, operands: Sequence[Operand], device: torch.device, autocast_dtype: torch.dtype | None) -> bool:
@@ -514,8 +463,9 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
     if spec.kind in (*_PARAM_KINDS, "matmul") and any(f.guard == "dtype" and f.torch_raises for f in findings):
         if not compiling:
             chain = _frames.module_chain(1)
-        keep = spec.kind != "matmul" and chain is not None and is_kept(tensors.get("weight"), chain)
-        params = frozenset(n for n, t in tensors.items() if _is_param(t, chain)) if spec.kind == "matmul" else frozenset()
+        # Marks on the tensors (torchfix._kept) answer while compiling too; eagerly the frames are asked as well.
+        keep = spec.kind != "matmul" and _kept.is_kept(tensors.get("weight"), chain)
+        params = frozenset(n for n, t in tensors.items() if _kept.is_owned(t, chain)) if spec.kind == "matmul" else frozenset()
         if keep or params:
             signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params, *s[5:]) for (n, t), s in zip(tensors.items(), key[2]))
             key = (*key[:2], signature, *key[3:8], keep)

@@ -1,11 +1,15 @@
 """Installing and removing torchfix's wrappers: the only code that writes torch attributes."""
 
+import threading
+
+from .compile import PATCH as COMPILE
 from .core import Patch
 from .torch_ops import PATCHES, TARGETS
 
-__all__ = ["PATCHES", "TARGETS", "Patch", "install", "installed", "remove"]
+__all__ = ["ALL", "PATCHES", "TARGETS", "Patch", "install", "installed", "remove"]
 
-import threading
+# The guarded ops, then torch.compile (which marks a model's kept tensors before dynamo traces it).
+ALL: tuple[Patch, ...] = (*PATCHES, COMPILE)
 
 _lock = threading.RLock()
 
@@ -13,17 +17,17 @@ _lock = threading.RLock()
 def install() -> None:
     """Install every wrapper (idempotent)."""
     with _lock:
-        for p in PATCHES:
+        for p in ALL:
             p.install()
 
 
 def remove() -> None:
     """Remove every wrapper; each attribute ``is`` its original again."""
     with _lock:
-        for p in reversed(PATCHES):
+        for p in reversed(ALL):
             p.remove()
 
 
 def installed() -> list[str]:
     """Labels of the wrappers in place."""
-    return [p.label for p in PATCHES if p.installed]
+    return [p.label for p in ALL if p.installed]
