@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.metadata as md
 import os
 import platform
 import re
@@ -11,14 +10,9 @@ from pathlib import Path
 
 import torch
 
+from torchfix.config import installed_version
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-
-
-def _version(pkg: str) -> str:
-    try:
-        return md.version(pkg)
-    except md.PackageNotFoundError:
-        return "not installed"
 
 
 def machine() -> str:
@@ -34,8 +28,8 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return (
         f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; GPU: {gpu}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {_version('diffusers')}, "
-        f"transformers {_version('transformers')}, wrapt {_version('wrapt')}; torch threads {torch.get_num_threads()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, diffusers {installed_version('diffusers')}, "
+        f"transformers {installed_version('transformers')}, wrapt {installed_version('wrapt')}; torch threads {torch.get_num_threads()}; "
         f"measured {_dt.date.today().isoformat()}"
     )
 

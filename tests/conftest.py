@@ -27,9 +27,9 @@ def leaked() -> list[str]:
 def _no_leaks():
     assert not leaked(), f"patches leaked into this test: {leaked()}"
     torchfix.report().clear()
-    from torchfix.guards import engine
+    from torchfix import runtime
 
-    engine.reset_warnings()
+    runtime.reset_warnings()
     yield
     torchfix.disable()
     still = leaked()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers")
 
@@ -14,3 +15,19 @@ def test_sd15_heads_reach_every_attention_block():
     assert {m.heads for n, m in one.named_modules() if n.endswith(("attn1", "attn2"))} == {1}
     assert {m.heads for n, m in four.named_modules() if n.endswith(("attn1", "attn2"))} == {4}
     assert testing.tiny_sd15_pipeline(heads=1).unet.config.attention_head_dim == 1
+
+
+def test_builders_leave_the_global_rng_and_no_temp_dirs_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    pipe = testing.tiny_sd15_pipeline()
+    testing.tiny_sd3_pipeline(layers=1)
+    assert torch.equal(torch.rand(3), expected)  # the caller's random stream is untouched
+    assert list(tmp_path.iterdir()) == []  # the tokenizer's files are gone once it is built
+    assert pipe.tokenizer("a cat").input_ids[0] == pipe.tokenizer.bos_token_id
+    again = testing.tiny_sd15_pipeline()
+    assert all(torch.equal(a, b) for a, b in zip(pipe.unet.parameters(), again.unet.parameters()))  # still seeded

@@ -30,11 +30,17 @@ _holders = 0  # the global switch (0/1) plus scoped blocks alive in any thread
 
 
 def _hold() -> None:
+    """Count one more holder; the first installs every wrapper. A failed install counts
+    nothing and leaves nothing installed."""
     global _holders
     with _lock:
+        if _holders == 0:
+            try:
+                patches.install()
+            except BaseException:
+                patches.remove()
+                raise
         _holders += 1
-        if _holders == 1:
-            patches.install()
 
 
 def _release() -> None:
@@ -83,9 +89,9 @@ def enable(
             if was_on:
                 _release()
             return settings
-        _context.set_global(settings)
         if not was_on:
-            _hold()
+            _hold()  # first: a failed install leaves the global switch off
+        _context.set_global(settings)
     log.debug("torchfix enabled: %s", settings.describe())
     return settings
 

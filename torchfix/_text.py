@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["align"]
+__all__ = ["align", "dtype_name"]
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` → ``bfloat16``.
+
+    >>> import torch
+    >>> dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    return str(dtype).removeprefix("torch.")
 
 
 def align(rows: Sequence[Sequence[str]], *, rule: bool = False) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata as md
 import os
 import platform
 import runpy
@@ -26,13 +25,6 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "main"]
 
 _PACKAGES = ("torch", "diffusers", "transformers", "triton", "torch-mlir", "wrapt", "accelerate")
-
-
-def _version(name: str) -> str:
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return "not installed"
 
 
 # --- run -----------------------------------------------------------------------------------------
@@ -84,20 +76,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
     import torchfix
+    from torchfix import devices
+    from torchfix.config import installed_version
     from torchfix.guards import known_issues as ki
 
     print(f"torchfix {torchfix.__version__} on Python {platform.python_version()} ({platform.system()} {platform.release()})")
     print("\npackages")
     for name in _PACKAGES:
-        print(f"  {name:13s} {_version(name)}")
+        print(f"  {name:13s} {installed_version(name)}")
     print("\ndevices")
     print(f"  cpu           yes ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})")
-    if torch.cuda.is_available():
+    if devices.backend_usable("cuda"):
         names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
         print(f"  cuda          yes: {names}")
     else:
         print(f"  cuda          no (torch built {'with' if torch.version.cuda else 'without'} CUDA)")
-    print(f"  mps           {'yes' if torch.backends.mps.is_available() else 'no'}")
+    print(f"  mps           {'yes' if devices.backend_usable('mps') else 'no'}")
     print("\nkernels (torch.ops.torchfix.matmul)")
     for b in torchfix.kernels.backends():
         state = "usable" if b.usable else "not usable here"

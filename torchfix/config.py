@@ -10,12 +10,28 @@ variable, then the default.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DEVICE_POLICIES", "GUARDS", "MODES", "Settings", "env_max_events", "env_mode"]
+from ._text import dtype_name
+
+__all__ = ["DEVICE_POLICIES", "GUARDS", "MODES", "Settings", "env_max_events", "env_mode", "installed_version"]
+
+
+def installed_version(package: str) -> str:
+    """The installed distribution's version, or ``"not installed"``.
+
+    >>> installed_version("torch") != "not installed"
+    True
+    """
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return "not installed"
+
 
 MODES = ("off", "fix", "warn", "strict")
 GUARDS = ("dtype", "device", "stride")
@@ -119,7 +135,7 @@ class Settings:
 
     def describe(self) -> str:
         """One line: mode, guards, dtype policy and device policy."""
-        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "auto"
+        dtype = dtype_name(self.dtype) if self.dtype is not None else "auto"
         kernels = {None: "recorded-hardware", True: "on", False: "off"}[self.kernels]
         guards = ",".join(sorted(self.guards)) or "-"
         return f"mode={self.mode} guards={guards} dtype={dtype} device_policy={self.device_policy} kernels={kernels}"

@@ -14,6 +14,7 @@ device(type='cpu')
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,17 +25,18 @@ DeviceLike = Any  # str | int | torch.device | torch.Tensor | torch.nn.Module
 
 
 def _current_index(device_type: str) -> int:
-    # "cuda" means the *current* CUDA device, which set_device may have changed.
-    backend = getattr(torch, device_type, None)
-    is_available = getattr(backend, "is_available", None)
-    current = getattr(backend, "current_device", None)
-    if callable(is_available) and callable(current):
-        try:
-            if is_available():
-                return int(current())
-        except Exception:  # a backend that cannot answer means its default device
-            return 0
-    return 0
+    """The index a bare ``device_type`` handle means: the *current* device, which
+    ``set_device`` may have changed; 0 where the backend is absent or has no notion of one."""
+    current = getattr(getattr(torch, device_type, None), "current_device", None)
+    if not callable(current) or not backend_usable(device_type):
+        return 0
+    try:
+        return int(current())
+    except RuntimeError as exc:  # a usable backend that cannot say which device is current: no guessing
+        raise RuntimeError(
+            f"torchfix: cannot resolve {device_type!r} to one device: torch.{device_type}.current_device() raised "
+            f"{type(exc).__name__}: {exc}. Name the device with its index ({device_type}:0)."
+        ) from exc
 
 
 def backend_usable(device_type: str) -> bool:
@@ -51,9 +53,7 @@ def backend_usable(device_type: str) -> bool:
         return False
     try:
         return bool(is_available())
-    except RuntimeError as exc:  # a backend that cannot answer cannot run an op either
-        import logging
-
+    except RuntimeError as exc:  # safe: a backend that cannot answer cannot run an op either
         logging.getLogger("torchfix").debug("torchfix: %s.is_available() raised %s; treated as absent", device_type, exc)
         return False
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +24,13 @@ from . import _context, _frames, _kept, deepcache
 from ._context import current
 from ._report import FixEvent, report
 from ._state import enabled
+from ._text import dtype_name as _dt
 from .config import Settings
 from .deepcache import DeepCacheConfig, UnsupportedUNetError
 from .deepcache import check as deepcache_check
 from .devices import canonical, unusable_reason
 from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, TorchfixWarning
-from .guards.messages import dtype_name as _dt
+from .guards.plan import Finding
 from .patches.instance import TensorHandle, swap_tensor
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
@@ -38,18 +38,10 @@ __all__ = ["Finding", "PipelineProxy", "wrap"]
 log = logging.getLogger("torchfix")
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One preflight result: which component, what is wrong, and what was (or must be) done."""
-
-    component: str
-    problem: str
-    fix: str
-    applied: bool = False
-    kind: str = "dtype"  # "dtype", "device" or "model": which error an unfixed finding raises
-
-    def __str__(self) -> str:
-        return f"{self.component}: {self.problem} — {'fixed: ' if self.applied else 'to fix: '}{self.fix}"
+def _finding(component: str, problem: str, fix: str, applied: bool = False, kind: str = "dtype") -> Finding:
+    """One preflight result: which component, what is wrong, what was (or must be) done, and
+    ``kind`` (``dtype``, ``device`` or ``model``: which error it raises unfixed)."""
+    return Finding(kind, problem, fix, component=component, applied=applied)
 
 
 def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
@@ -133,15 +125,15 @@ def _unet_conditioning(pipe: Any, unet: Any) -> list[Finding]:
     if widths and "text" in expected and sum(w for _, w in widths) != expected["text"][0]:
         total = " + ".join(f"{n} {w}" for n, w in widths)
         problem = f"text encoder output width {total} = {sum(w for _, w in widths)} does not match {expected['text'][1]}"
-        findings.append(Finding("unet", problem, _MISMATCH_FIX, kind="model"))
+        findings.append(_finding("unet", problem, _MISMATCH_FIX, kind="model"))
     if unet.config.addition_embed_type == "text_time":
         encoder = getattr(pipe, "text_encoder_2", None)
         if encoder is None:
             problem = "addition_embed_type='text_time' needs pooled text embeddings, but there is no text_encoder_2"
-            findings.append(Finding("unet", problem, "use an SDXL pipeline with its text_encoder_2", kind="model"))
+            findings.append(_finding("unet", problem, "use an SDXL pipeline with its text_encoder_2", kind="model"))
         elif (pooled := _width(encoder, "projection_dim")) is not None and "pooled" in expected and pooled != expected["pooled"][0]:
             problem = f"text_encoder_2 pooled width (projection_dim) {pooled} does not match {expected['pooled'][1]}"
-            findings.append(Finding("unet", problem, _MISMATCH_FIX, kind="model"))
+            findings.append(_finding("unet", problem, _MISMATCH_FIX, kind="model"))
     return findings
 
 
@@ -155,23 +147,23 @@ def _transformer_conditioning(pipe: Any, transformer: Any) -> list[Finding]:
     clip_names = ("text_encoder", "text_encoder_2") if t5_name == "text_encoder_3" else ("text_encoder",)
     t5 = _width(getattr(pipe, t5_name, None))
     if text is not None and t5 is not None and t5 != text[0]:
-        findings.append(Finding("transformer", f"{t5_name} (T5) output width {t5} does not match {text[1]}", _MISMATCH_FIX, kind="model"))
+        findings.append(_finding("transformer", f"{t5_name} (T5) output width {t5} does not match {text[1]}", _MISMATCH_FIX, kind="model"))
     if t5_name == "text_encoder_3":  # SD3: CLIP hidden states are zero-padded to the joint width, never cut
         clip = [(n, w) for n in clip_names if (w := _width(getattr(pipe, n, None))) is not None]
         if text is not None and clip and sum(w for _, w in clip) > text[0]:
             total = " + ".join(f"{n} {w}" for n, w in clip)
             problem = f"CLIP output width {total} = {sum(w for _, w in clip)} is wider than {text[1]}"
-            findings.append(Finding("transformer", problem, _MISMATCH_FIX, kind="model"))
+            findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
         projections = [(n, w) for n in clip_names if (w := _width(getattr(pipe, n, None), "projection_dim")) is not None]
         if pooled is not None and projections and sum(w for _, w in projections) != pooled[0]:
             total = " + ".join(f"{n} {w}" for n, w in projections)
             problem = f"pooled CLIP width (projection_dim) {total} = {sum(w for _, w in projections)} does not match {pooled[1]}"
-            findings.append(Finding("transformer", problem, _MISMATCH_FIX, kind="model"))
+            findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
     else:  # Flux: the pooled embedding is the CLIP text model's pooler output
         clip = _width(getattr(pipe, "text_encoder", None))
         if pooled is not None and clip is not None and clip != pooled[0]:
             problem = f"text_encoder (CLIP) pooled width {clip} does not match {pooled[1]}"
-            findings.append(Finding("transformer", problem, _MISMATCH_FIX, kind="model"))
+            findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
     return findings
 
 
@@ -228,7 +220,7 @@ class PipelineProxy(wrapt.ObjectProxy):
                 more = f" and {len(meta) - 3} more" if len(meta) > 3 else ""
                 names = ", ".join(f"{name}.{n}" for n in meta[:3])
                 fix = "load the weights (from_pretrained / load_state_dict(..., assign=True)) before running"
-                findings.append(Finding(name, f"weights on the meta device (never loaded): {names}{more}", fix, kind="device"))
+                findings.append(_finding(name, f"weights on the meta device (never loaded): {names}{more}", fix, kind="device"))
 
         # devices
         placed: dict[str, torch.device] = {}
@@ -246,10 +238,10 @@ class PipelineProxy(wrapt.ObjectProxy):
                     if d != self._self_device:
                         moved += self._move(modules[n], self._self_device)
                 fix = f"moved to {self._self_device}; the originals ({moved:,} B) are kept for unwrap()"
-                findings.append(Finding("pipeline", f"components on different devices: {where}", fix, True, "device"))
+                findings.append(_finding("pipeline", f"components on different devices: {where}", fix, True, "device"))
             else:
                 fix = "move the pipeline with pipe.to(device), or wrap(pipe, device=...)"
-                findings.append(Finding("pipeline", f"components on different devices: {where}", fix, kind="device"))
+                findings.append(_finding("pipeline", f"components on different devices: {where}", fix, kind="device"))
 
         # Kept-precision parameters and buffers, marked on the tensors (after any move: the moved
         # copies are the ones that run), so that a compiled component decides as it does eagerly.
@@ -336,7 +328,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         if not blocking:
             return
         text = "\n".join(f"  - {f}" for f in blocking)
-        kinds = {f.kind for f in blocking}
+        kinds = {f.guard for f in blocking}
         error = DeviceMismatchError if "device" in kinds else ModelMismatchError if "model" in kinds else DtypeMismatchError
         raise error(f"torchfix preflight of {type(self.__wrapped__).__name__} found:\n{text}")
 
@@ -395,7 +387,9 @@ class PipelineProxy(wrapt.ObjectProxy):
             self._self_swaps.append(handle)
             path = self._path(module)
             fix = f"cast to {dtype} once, after the first call; the original ({handle.nbytes:,} B) is kept for unwrap()"
-            self._self_findings.append(Finding(path, f"{name} is {before} where its calls need {dtype} (torch rejects the mix)", fix, True))
+            self._self_findings.append(
+                _finding(path, f"{name} is {before} where its calls need {dtype} (torch rejects the mix)", fix, True)
+            )
             detail = f"{name} {_dt(before)}→{_dt(dtype)} once, after the first call (the guards cast it on every call so far)"
             report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, path, detail))
             log.info("torchfix.wrap: %s.%s %s", path, name, detail)

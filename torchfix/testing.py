@@ -11,6 +11,8 @@ Imports diffusers and transformers, so ``import torchfix`` never imports this.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -37,6 +39,19 @@ __all__ = [
 TEXT_DIM = 32
 
 
+def _own_rng(build: Any) -> Any:
+    """Run a builder that seeds torch with its own CPU RNG: the caller's global RNG state is
+    the same after the build as before (a test's or a script's random numbers never depend
+    on which tiny pipelines were built)."""
+
+    @functools.wraps(build)
+    def seeded(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return build(*args, **kwargs)
+
+    return seeded
+
+
 def _byte_level_alphabet() -> list[str]:
     # The GPT-2 byte-to-unicode table that CLIP's BPE uses (transformers 5 no longer exports it).
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -59,12 +74,15 @@ def clip_tokenizer(directory: str | Path | None = None) -> Any:
     vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
-    folder = Path(directory or tempfile.mkdtemp(prefix="torchfix-tokenizer-"))
-    (folder / "vocab.json").write_text(json.dumps(vocab))
-    (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77, pad_token="<|endoftext|>")
+    with contextlib.ExitStack() as stack:
+        # The tokenizer reads both files when it is built; a temp dir of ours is gone afterwards.
+        folder = Path(directory) if directory else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="torchfix-tokenizer-")))
+        (folder / "vocab.json").write_text(json.dumps(vocab))
+        (folder / "merges.txt").write_text("#version: 0.2\n")
+        return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77, pad_token="<|endoftext|>")
 
 
+@_own_rng
 def tiny_text_encoder(with_projection: bool = False, hidden: int = TEXT_DIM, seed: int = 0) -> Any:
     """A 2-layer CLIP text encoder (optionally with ``text_projection``), random weights."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -87,6 +105,7 @@ def tiny_text_encoder(with_projection: bool = False, hidden: int = TEXT_DIM, see
     return cls(config).eval()
 
 
+@_own_rng
 def tiny_vae(seed: int = 0, latent_channels: int = 4) -> Any:
     """An AutoencoderKL with 3 downsamplers (latents are pixels / 8, as in SD); 16 latent channels for SD3/Flux."""
     from diffusers import AutoencoderKL
@@ -118,6 +137,7 @@ def t5_tokenizer() -> Any:
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
+@_own_rng
 def tiny_t5_encoder(hidden: int = 2 * TEXT_DIM, seed: int = 0) -> Any:
     """A 2-layer T5 encoder, random weights."""
     from transformers import T5Config, T5EncoderModel
@@ -138,6 +158,7 @@ def tiny_t5_encoder(hidden: int = 2 * TEXT_DIM, seed: int = 0) -> Any:
     return T5EncoderModel(config).eval()
 
 
+@_own_rng
 def _tiny_unet(seed: int, heads: int = 4, **config: Any) -> Any:
     from diffusers import UNet2DConditionModel
 
@@ -249,6 +270,7 @@ def tiny_sdxl_refiner_pipeline(scheduler: str = "EulerDiscreteScheduler", seed: 
     return pipe
 
 
+@_own_rng
 def tiny_sd3_pipeline(seed: int = 0, layers: int = 4) -> Any:
     """A StableDiffusion3Pipeline: two CLIP encoders with projection (32 wide each), a T5 encoder (64 wide),
     and an SD3Transformer2DModel (4 heads x 16, ``layers`` joint blocks, up to 1536 px)."""
@@ -284,6 +306,7 @@ def tiny_sd3_pipeline(seed: int = 0, layers: int = 4) -> Any:
     return pipe
 
 
+@_own_rng
 def tiny_flux_pipeline(seed: int = 0, layers: int = 2, single_layers: int = 4) -> Any:
     """A FluxPipeline: a CLIP encoder (pooled, 32 wide), a T5 encoder (64 wide) and a FluxTransformer2DModel
     (2 heads x 16, ``layers`` double and ``single_layers`` single blocks)."""

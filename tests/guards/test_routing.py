@@ -145,10 +145,7 @@ def test_strict_still_raises(cpu_as_gpu):
 
 
 def test_missing_kernel_warns_once_and_casts(cpu_as_gpu, monkeypatch):
-    from torchfix.guards import engine
-
     monkeypatch.setattr(torchfix.kernels, "available_for", lambda device_type: False)
-    monkeypatch.setattr(engine, "_missing_warned", set())
     with warnings.catch_warnings(record=True) as caught, torchfix.enabled("fix"):
         warnings.simplefilter("always")
         for _ in range(3):
@@ -162,17 +159,17 @@ def test_missing_kernel_warns_once_and_casts(cpu_as_gpu, monkeypatch):
 
 
 def test_default_routes_only_where_a_hardware_run_is_recorded(monkeypatch):
-    from torchfix.guards import engine
     from torchfix.kernels import hardware
+    from torchfix.runtime import kernel
 
     assert hardware.HARDWARE_RUNS == () or all(r.passed for r in hardware.HARDWARE_RUNS)
     monkeypatch.setattr(hardware, "HARDWARE_RUNS", ())
-    assert not engine._kernel_allowed(None, "cuda") and not engine._kernel_allowed(None, "mps")
-    assert engine._kernel_allowed(None, "cpu")  # the ATen reference runs in every test session
-    assert engine._kernel_allowed(True, "cuda") and not engine._kernel_allowed(False, "cpu")
+    assert not kernel._allowed(None, "cuda") and not kernel._allowed(None, "mps")
+    assert kernel._allowed(None, "cpu")  # the ATen reference runs in every test session
+    assert kernel._allowed(True, "cuda") and not kernel._allowed(False, "cpu")
     run = hardware.HardwareRun("2026-11-22", "2.13.0", "cuda", "NVIDIA H100", "pytest tests/kernels", "41 passed", True)
     monkeypatch.setattr(hardware, "HARDWARE_RUNS", (run,))
-    assert engine._kernel_allowed(None, "cuda") and not engine._kernel_allowed(None, "mps")
+    assert kernel._allowed(None, "cuda") and not kernel._allowed(None, "mps")
     failed = hardware.HardwareRun("2026-11-22", "2.13.0", "mps", "Apple M2", "pytest tests/kernels", "3 failed", False)
     assert not hardware.verified("mps", (failed,))
 
@@ -195,8 +192,7 @@ def test_kernels_setting_and_environment(monkeypatch):
 
 
 def test_a_failing_kernel_falls_back_once_per_device_type(cpu_as_gpu, monkeypatch):
-    from torchfix.guards import engine
-    from torchfix.kernels import routing as kernel_routing
+    from torchfix.runtime import kernel
 
     calls = []
 
@@ -204,8 +200,8 @@ def test_a_failing_kernel_falls_back_once_per_device_type(cpu_as_gpu, monkeypatc
         calls.append(1)
         raise RuntimeError("triton: out of shared memory")
 
-    monkeypatch.setattr(kernel_routing, "call", broken)
-    monkeypatch.setattr(engine, "_failed", {})
+    monkeypatch.setattr(kernel, "express", broken)
+    monkeypatch.setattr(kernel, "failed", {})
     a, b = torch.randn(3, 4).half(), torch.randn(4, 2).bfloat16()
     with warnings.catch_warnings(record=True) as caught, torchfix.enabled("fix", kernels=True):
         warnings.simplefilter("always")
@@ -213,20 +209,19 @@ def test_a_failing_kernel_falls_back_once_per_device_type(cpu_as_gpu, monkeypatc
     assert all(torch.equal(o, a.float() @ b.float()) for o in outs)
     msgs = [str(w.message) for w in caught if issubclass(w.category, torchfix.TorchfixWarning)]
     assert len(msgs) == 1 and "out of shared memory" in msgs[0] and "cast/copy path" in msgs[0]
-    assert len(calls) == 1 and "cpu" in engine._failed  # off for this device type after the first failure
+    assert len(calls) == 1 and "cpu" in kernel.failed  # off for this device type after the first failure
     assert [e.action for e in torchfix.report().events] == ["promote"] * 3
 
 
 def test_a_user_error_is_not_blamed_on_the_kernel(cpu_as_gpu, monkeypatch):
-    from torchfix.guards import engine
-    from torchfix.kernels import routing as kernel_routing
+    from torchfix.runtime import kernel
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel: bad shapes")
 
-    monkeypatch.setattr(kernel_routing, "call", broken)
-    monkeypatch.setattr(engine, "_failed", {})
+    monkeypatch.setattr(kernel, "express", broken)
+    monkeypatch.setattr(kernel, "failed", {})
     a, b = torch.randn(3, 4).half(), torch.randn(5, 2).bfloat16()
     with torchfix.enabled("fix", kernels=True), pytest.raises(RuntimeError, match="cannot be multiplied"):
         a @ b  # torch's own error, from the cast path
-    assert engine._failed == {}
+    assert kernel.failed == {}

@@ -158,7 +158,6 @@ def test_missing_backend_degrades_to_aten_with_one_warning(impl, device_type, mo
     from torchfix.kernels import triton_matmul
 
     monkeypatch.setattr(triton_matmul, "unavailable_reason", lambda: "Triton is not installed (test)")
-    monkeypatch.setattr(kmatmul, "_fallback_warned", set())
     a, b = torch.randn(3, 4, dtype=torch.float16), torch.randn(5, 4).t()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -74,3 +74,71 @@ def test_non_tensor_arguments_reach_torch_unchanged():
     with torchfix.enabled(), pytest.raises((RuntimeError, ValueError)) as guarded:
         torch.cat([])  # torch's own error, unchanged
     assert type(guarded.value) is type(plain.value) and str(guarded.value) == str(plain.value)
+
+
+def test_a_wrapper_put_over_ours_is_adopted_on_the_next_enable_never_stacked():
+    import functools
+
+    import torch.nn.functional as F
+
+    from .. import conftest
+
+    original = conftest.ORIGINALS["torch.nn.functional.linear"]
+    torchfix.enable()
+    ours = F.linear
+
+    @functools.wraps(ours)
+    def theirs(*args, **kwargs):  # another library's instrumentation, installed after torchfix
+        return ours(*args, **kwargs)
+
+    F.linear = theirs
+    try:
+        with pytest.warns(torchfix.TorchfixWarning, match="replaced by someone else"):
+            torchfix.disable()
+        assert F.linear is theirs
+        x, w = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(3, 4, dtype=torch.float16)
+        with pytest.raises(RuntimeError):
+            F.linear(x, w)  # torchfix off: ours inside theirs calls straight through
+        torchfix.enable()
+        assert F.linear is theirs  # ours is active again inside theirs; no second torchfix wrapper on top
+        F.linear(x, w)
+        assert len(torchfix.report().events) == 1  # guarded and recorded once, not twice
+        torchfix.disable()
+    finally:
+        F.linear = original
+
+
+def test_a_failed_install_counts_nothing_and_leaves_nothing_installed(monkeypatch):
+    from torchfix import _context, _state, patches
+    from torchfix.config import OFF
+
+    def broken(orig):
+        raise RuntimeError("cannot build the wrapper")
+
+    monkeypatch.setattr(PATCHES[3], "_make", broken)
+    with pytest.raises(RuntimeError, match="cannot build"):
+        torchfix.enable()
+    assert patches.installed() == [] and _state._holders == 0 and _context.get_global() is OFF
+    with pytest.raises(RuntimeError, match="cannot build"), torchfix.enabled():
+        pass
+    assert patches.installed() == [] and _state._holders == 0
+    monkeypatch.undo()
+    torchfix.enable()
+    assert len(patches.installed()) == len(patches.ALL)
+
+
+def test_every_restore_path_leaves_theirs_and_says_so():
+    from torchfix.patches import instance
+
+    ns = types.SimpleNamespace()
+    handle = instance.set_attr(ns, "forward", len)
+    ns.forward = abs  # replaced by someone else since
+    with pytest.warns(torchfix.TorchfixWarning, match="SimpleNamespace.forward was replaced by someone else"):
+        handle.restore()
+    assert ns.forward is abs
+    lin = torch.nn.Linear(2, 2)
+    swap = instance.swap_tensor(lin, "weight", lambda t: t.half())
+    lin.weight.data = torch.zeros(2, 2)
+    with pytest.warns(torchfix.TorchfixWarning, match="Linear.weight was replaced by someone else"):
+        swap.restore()
+    assert torch.equal(lin.weight, torch.zeros(2, 2))

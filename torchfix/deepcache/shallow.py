@@ -1,10 +1,14 @@
 """The cached step: the shallow part of a diffusers UNet around one cached deep feature.
 
-It mirrors ``UNet2DConditionModel.forward`` (diffusers 0.42) using the model's
-own helpers for the embeddings, then runs only the down layers that produce
-skips ``0..branch`` and the up layers that consume them, starting from the
-cached feature. Upsample sizes come from the live skip tensors, as diffusers'
-``forward_upsample_size`` does, so odd latent sizes (45×60 → 23×30 → 12×15)
+It mirrors ``UNet2DConditionModel.forward`` using the model's own helpers for
+the embeddings, then runs only the down layers that produce skips ``0..branch``
+and the up layers that consume them, starting from the cached feature. It follows
+the forward of diffusers 0.27 to 0.42 (:data:`FOLLOWS`); tests/deepcache/
+test_shallow_parity.py checks it against the *installed* diffusers' forward,
+bit for bit, for every conditioning kind it handles (class labels, text_time,
+text, image and image-hint embeddings, encoder_hid_dim, timestep_cond, GLIGEN,
+attention masks, FreeU, LoRA scale, ControlNet residuals) at even and odd sizes.
+Upsample sizes come from the live skip tensors, as diffusers' ``forward_upsample_size`` does, so odd latent sizes (45×60 → 23×30 → 12×15)
 round-trip, and nothing depends on a shape fixed at trace time.
 """
 
@@ -16,7 +20,9 @@ import torch
 
 from .layout import Layout
 
-__all__ = ["shallow_forward"]
+__all__ = ["FOLLOWS", "shallow_forward"]
+
+FOLLOWS = ("0.27", "0.42")  # the diffusers releases whose UNet2DConditionModel.forward this mirrors
 
 
 def _attention(block: torch.nn.Module, j: int, h: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
@@ -88,12 +94,19 @@ def _shallow(
     if class_emb is not None:
         emb = torch.cat([emb, class_emb], dim=-1) if unet.config.class_embeddings_concat else emb + class_emb
     aug_emb = unet.get_aug_embed(emb=emb, encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added_cond_kwargs)
+    if unet.config.addition_embed_type == "image_hint":  # Kandinsky 2.2 ControlNet: the hint joins the sample
+        aug_emb, hint = aug_emb
+        sample = torch.cat([sample, hint], dim=1)
     emb = emb + aug_emb if aug_emb is not None else emb
     if unet.time_embed_act is not None:
         emb = unet.time_embed_act(emb)
     encoder_hidden_states = unet.process_encoder_hidden_states(
         encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added_cond_kwargs
     )
+    if cross_attention_kwargs is not None and cross_attention_kwargs.get("gligen") is not None:
+        # GLIGEN: the grounding boxes become the gated attention's objects, as in the UNet's forward.
+        cross_attention_kwargs = dict(cross_attention_kwargs)
+        cross_attention_kwargs["gligen"] = {"objs": unet.position_net(**cross_attention_kwargs.pop("gligen"))}
     ctx = {
         "emb": emb,
         "encoder_hidden_states": encoder_hidden_states,
@@ -155,18 +168,18 @@ def _shallow(
     return UNet2DConditionOutput(sample=h)
 
 
-_scaled: list[Any] = []
+_lora_scaled: list[Any] = []
 
 
 def shallow_forward(unet: Any, *args: Any, **kwargs: Any) -> Any:
     """:func:`_shallow`, with PEFT LoRA layers scaled by ``cross_attention_kwargs["scale"]``
     as the UNet's own forward does. The decorator is looked up on first use, so
     importing torchfix never imports diffusers."""
-    if not _scaled:
+    if not _lora_scaled:
         try:
             from diffusers.utils.peft_utils import apply_lora_scale
         except ImportError:  # older diffusers scaled inline in forward, or not at all
-            _scaled.append(_shallow)
+            _lora_scaled.append(_shallow)
         else:
-            _scaled.append(apply_lora_scale("cross_attention_kwargs")(_shallow))
-    return _scaled[0](unet, *args, **kwargs)
+            _lora_scaled.append(apply_lora_scale("cross_attention_kwargs")(_shallow))
+    return _lora_scaled[0](unet, *args, **kwargs)

@@ -36,13 +36,10 @@ from functools import reduce
 
 import torch
 
+from .._text import dtype_name as _name
 from .plan import Action, Finding, Operand
 
 __all__ = ["decide", "kept_in_fp32"]
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def kept_in_fp32(model: object, path: str) -> bool:

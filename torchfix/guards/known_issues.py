@@ -22,7 +22,7 @@ from __future__ import annotations
 import platform
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -264,7 +264,6 @@ class KnownIssue:
     os_max: str | None = None
     description: str = ""
     basis: str = ""
-    user: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.workaround not in WORKAROUNDS:
@@ -469,11 +468,9 @@ _entries: list[KnownIssue] = list(_BUILTIN)
 TORCH_VERSION = torch.__version__
 OS_VERSION = platform.mac_ver()[0] or None
 
-# Device types that have a row in force for this torch and OS and a backend this
-# process can use; the stride guard reads it before it looks at any layout. Computed when
-# the first wrapper asks for its family's holder (nothing is read at import).
-ACTIVE_DEVICE_TYPES: frozenset[str] = frozenset()
-# The same, per op family, each in a one-element list the wrappers hold directly (a
+# Per op family, the device types that have a row in force for this torch and OS and a
+# backend this process can use (computed when the first wrapper asks for its family's
+# holder: nothing is read at import), each in a one-element list the wrappers hold directly (a
 # closure index is cheaper than a module attribute on the per-call path). A process with
 # no row in force for a family (Linux with CPU/CUDA today, bar sdpa on CUDA) pays nothing.
 _HOLDERS: dict[str, list[frozenset[str]]] = {}
@@ -531,7 +528,6 @@ def in_force(family: str, device_type: str) -> tuple[KnownIssue, ...]:
 
 
 def _refresh() -> None:
-    global ACTIVE_DEVICE_TYPES
     by_family: dict[str, set[str]] = {}
     in_force_rows: dict[tuple[str, str], list[KnownIssue]] = {}
     for e in _entries:
@@ -541,7 +537,6 @@ def _refresh() -> None:
                 in_force_rows.setdefault((family, e.device_type), []).append(e)
     _IN_FORCE.clear()
     _IN_FORCE.update({k: tuple(v) for k, v in in_force_rows.items()})
-    ACTIVE_DEVICE_TYPES = frozenset(t for types in by_family.values() for t in types)
     for family, cell in _HOLDERS.items():
         cell[0] = frozenset(by_family.get(family, ()))
     for family, types in by_family.items():

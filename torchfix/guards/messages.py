@@ -7,16 +7,10 @@ from collections.abc import Mapping
 
 import torch
 
-from .._text import align
+from .._text import align, dtype_name
 from .plan import Action, Finding
 
-__all__ = ["action_text", "compiled_error_message", "describe_tensors", "dtype_name", "error_message"]
-
-
-def dtype_name(dtype: object) -> str:
-    """``torch.bfloat16`` → ``bfloat16``."""
-    return str(dtype).removeprefix("torch.")
-
+__all__ = ["action_text", "compiled_error_message", "describe_tensors", "error_message"]
 
 _dt = dtype_name
 

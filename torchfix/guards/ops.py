@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "SPECS", "OpSpec", "spec"]
-
-KINDS = ("matmul", "linear", "conv", "norm", "attention", "cat")
+__all__ = ["SPECS", "OpSpec", "spec"]
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,12 @@ class Action:
 
 @dataclass(frozen=True)
 class Finding:
-    """A problem one guard found in one call.
+    """A problem torchfix found: a guard's in one call, or ``torchfix.wrap``'s preflight in one
+    component of a pipeline (``component``, and whether it was ``applied``).
 
     Attributes:
-        guard: ``dtype``, ``device`` or ``stride``.
+        guard: ``dtype``, ``device`` or ``stride`` (preflight also ``model``: the components do
+            not fit together); which error an unfixed finding raises.
         problem: one sentence naming the operands and what is wrong.
         fix: how the user fixes it for good.
         actions: what ``fix`` mode does about it; empty when it cannot be fixed.
@@ -58,6 +60,11 @@ class Finding:
         note: extra text for the event (e.g. the per-call cost of a weight cast).
         advisory: the call runs exactly as torch computes it; the finding is only
             recorded (and warned about in ``warn`` mode), never fixed or raised on.
+        component: preflight only: the pipeline component (or module path) it is about.
+        applied: preflight only: torchfix already did ``fix`` (else it is for the user to do).
+
+    >>> print(Finding("device", "weights on the meta device", "load the weights", component="unet"))
+    unet: weights on the meta device — to fix: load the weights
     """
 
     guard: str
@@ -67,3 +74,9 @@ class Finding:
     torch_raises: bool = False
     note: str = ""
     advisory: bool = False
+    component: str | None = None
+    applied: bool = False
+
+    def __str__(self) -> str:
+        where = f"{self.component}: " if self.component else ""
+        return f"{where}{self.problem} — {'fixed: ' if self.applied else 'to fix: '}{self.fix}"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import devices
 from .hardware import HARDWARE_RUNS, HardwareRun, verified
 from .ops import DECOMPOSITIONS, aten_reference, matmul
 
@@ -65,8 +66,8 @@ def backends() -> list[Backend]:
     Asks without initialising CUDA or compiling anything.
     """
     triton_found = importlib.util.find_spec("triton") is not None
-    cuda = torch.cuda.is_available()
-    mps = torch.backends.mps.is_available()
+    cuda = devices.backend_usable("cuda")
+    mps = devices.backend_usable("mps")
     if not triton_found:
         cuda_note = "Triton is not installed: CUDA tensors use the ATen path (pip install 'torchfix[triton]')"
     elif not cuda:
@@ -96,5 +97,5 @@ def available_for(device_type: str) -> bool:
     if device_type == "cuda":
         return importlib.util.find_spec("triton") is not None
     if device_type == "mps":
-        return torch.backends.mps.is_available()
+        return devices.backend_usable("mps")
     return False

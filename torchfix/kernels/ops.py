@@ -27,13 +27,11 @@ torch.float32
 from __future__ import annotations
 
 import logging
-import threading
-import warnings
 from typing import Any
 
 import torch
 
-from ..errors import TorchfixWarning
+from .. import _warn
 from ._shapes import accumulate_dtype, check, collapse_batch, plan, result_dtype
 
 __all__ = ["DECOMPOSITIONS", "aten_reference", "matmul", "raise_error"]
@@ -124,21 +122,13 @@ def _fake(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None
     return a.new_empty(p.result_shape(), dtype=result_dtype(a, b, out_dtype))
 
 
-_fallback_warned: set[str] = set()
-_fallback_lock = threading.Lock()
-
-
 def _fallback(device_type: str, why: str, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
     check(a, b, out_dtype)
-    with _fallback_lock:
-        first = device_type not in _fallback_warned
-        _fallback_warned.add(device_type)
-    if first:
-        warnings.warn(
-            f"torchfix::matmul on {device_type}: {why}; using the ATen path (each operand is cast/copied) from now on.",
-            TorchfixWarning,
-            stacklevel=3,
-        )
+    _warn.once(
+        ("kernel-fallback", device_type),
+        f"torchfix::matmul on {device_type}: {why}; using the ATen path (each operand is cast/copied) from now on.",
+        stacklevel=3,
+    )
     log.debug("torchfix::matmul %s fallback: %s", device_type, why)
     return aten_reference(a, b, out_dtype)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .core import leave_theirs
+
 __all__ = ["AttrHandle", "ForwardHandle", "HookHandle", "TensorHandle", "add_hook", "set_attr", "swap_tensor", "wrap_forward"]
 
 _MISSING = object()
@@ -35,7 +37,8 @@ class AttrHandle:
             return
         self.active = False
         if vars(self.obj).get(self.name, _MISSING) is not self.value:
-            return  # replaced again by someone else since: theirs stays
+            leave_theirs(f"{type(self.obj).__name__}.{self.name}")
+            return
         if self.previous is _MISSING:
             delattr(self.obj, self.name)
         else:
@@ -176,12 +179,12 @@ class TensorHandle:
             return
         self.active = False
         param = self.module._parameters.get(self.name)
-        if param is not None:
-            # .data is a fresh alias on every read: compare what it points at
-            if _same_tensor(param, self.replaced):
-                param.data = self.original
-        elif self.module._buffers.get(self.name) is self.replaced:
+        if param is not None and _same_tensor(param, self.replaced):  # .data is a fresh alias on every read
+            param.data = self.original
+        elif param is None and self.module._buffers.get(self.name) is self.replaced:
             self.module._buffers[self.name] = self.original
+        else:
+            leave_theirs(f"{type(self.module).__name__}.{self.name}", f" (torchfix's original, {self.nbytes:,} B, is released)")
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

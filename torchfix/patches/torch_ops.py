@@ -18,7 +18,7 @@ calls straight through. When on, eager calls take the *optimistic* path:
 3. Only if torch raises does torchfix look: inputs of one dtype and one device
    mean the error is not torchfix's to fix, and torch's own exception
    propagates untouched; anything else goes to
-   :func:`torchfix.guards.engine.guarded_call`, which casts, moves, routes or
+   :func:`torchfix.guards.runtime.guarded_call`, which casts, moves, routes or
    raises a clear error.
 
 The *checked* path asks first, for every call: inputs of one dtype (bool
@@ -45,8 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import _context
-from ..guards import engine
+from .. import _context, runtime
 from ..guards import known_issues as ki
 from ..guards.ops import SPECS, OpSpec
 from .core import Patch
@@ -80,7 +79,7 @@ def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
 
 def _paths(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[..., Any], Callable[[tuple, dict], bool]]:
     """The checked path and the "is this call uniform?" question for one op."""
-    slow, rows = engine.guarded_call, ki.holder(spec.family)
+    slow, rows = runtime.guarded_call, ki.holder(spec.family)
 
     def uniform(args: tuple, kwargs: dict) -> bool:
         try:
@@ -119,7 +118,7 @@ def _prologue(spec: OpSpec) -> tuple[Any, ...]:
         _context.current,
         _context.scoped.get,
         _context.GLOBAL,
-        engine.guarded_call,
+        runtime.guarded_call,
         ki.holder(spec.family),
     )
 

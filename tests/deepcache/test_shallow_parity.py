@@ -1,0 +1,132 @@
+"""The cached step's shallow forward (deepcache/shallow.py) against the installed diffusers' own
+``UNet2DConditionModel.forward``, for every conditioning kind and argument it handles.
+
+A cached step fed exactly the inputs of the full step before it reuses a deep feature computed from
+those very inputs, so its output must be the UNet's own output, bit for bit. Anything diffusers adds
+to or changes in its forward (an embedding kind, an argument, a block's signature) shows up here as a
+difference (or an error) instead of a silently different image.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+from torchfix import DeepCacheConfig
+
+pytest.importorskip("diffusers")
+
+TEXT = 32
+BASE = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    attention_head_dim=2,
+    norm_num_groups=4,
+    block_out_channels=(8, 16, 16),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=TEXT,
+)
+
+
+def _ehs(batch: int = 1, width: int = TEXT) -> torch.Tensor:
+    return torch.randn(batch, 5, width)
+
+
+# name -> (config changes, call kwargs builder)
+CASES = {
+    "sd15": ({}, lambda size: {}),
+    "class_labels timestep": ({"class_embed_type": "timestep"}, lambda size: {"class_labels": torch.tensor([7])}),
+    "class_labels concat": (
+        {"class_embed_type": "timestep", "class_embeddings_concat": True},
+        lambda size: {"class_labels": torch.tensor([7])},
+    ),
+    "class_labels projection": (
+        {"class_embed_type": "projection", "projection_class_embeddings_input_dim": 6},
+        lambda size: {"class_labels": torch.randn(1, 6)},
+    ),
+    "sdxl text_time": (
+        {"addition_embed_type": "text_time", "addition_time_embed_dim": 4, "projection_class_embeddings_input_dim": 6 * 4 + TEXT},
+        lambda size: {"added_cond_kwargs": {"text_embeds": torch.randn(1, TEXT), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]])}},
+    ),
+    "addition text": ({"addition_embed_type": "text", "addition_embed_type_num_heads": 2}, lambda size: {}),
+    "addition image": (
+        {"addition_embed_type": "image", "encoder_hid_dim": 24},
+        lambda size: {"_ehs_width": 24, "added_cond_kwargs": {"image_embeds": torch.randn(1, 24)}},
+    ),
+    "addition image_hint": (
+        {"addition_embed_type": "image_hint", "encoder_hid_dim": 24, "in_channels": 8},
+        lambda size: {
+            "_ehs_width": 24,
+            "added_cond_kwargs": {"image_embeds": torch.randn(1, 24), "hint": torch.randn(1, 3, 8 * size[0], 8 * size[1])},
+        },
+    ),
+    "encoder_hid_dim text_proj": ({"encoder_hid_dim": 24, "encoder_hid_dim_type": "text_proj"}, lambda size: {"_ehs_width": 24}),
+    "timestep_cond (LCM)": ({"time_cond_proj_dim": 8}, lambda size: {"timestep_cond": torch.randn(1, 8)}),
+    "attention masks": (
+        {},
+        lambda size: {"encoder_attention_mask": torch.tensor([[1.0, 1, 1, 0, 0]])},
+    ),
+    "gligen": (
+        {"attention_type": "gated"},
+        lambda size: {
+            "cross_attention_kwargs": {
+                "gligen": {"boxes": torch.rand(1, 2, 4), "positive_embeddings": torch.randn(1, 2, TEXT), "masks": torch.ones(1, 2)}
+            }
+        },
+    ),
+    "center_input_sample": ({"center_input_sample": True}, lambda size: {}),
+    "scale_shift resnets": ({"resnet_time_scale_shift": "scale_shift"}, lambda size: {}),
+    "linear projection, 2 transformer layers": ({"use_linear_projection": True, "transformer_layers_per_block": 2}, lambda size: {}),
+}
+
+
+def _unet(changes: dict):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(**{**BASE, **changes}).eval()
+
+
+@pytest.mark.parametrize("size", [(8, 8), (9, 7)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cached_step_on_the_full_steps_inputs_is_the_unets_own_output(case, size):
+    changes, make_kwargs = CASES[case]
+    unet = _unet(changes)
+    torch.manual_seed(1)
+    kwargs = make_kwargs(size)
+    width = kwargs.pop("_ehs_width", TEXT)
+    x, ehs = torch.randn(1, 4, *size), _ehs(width=width)
+    with torch.no_grad():
+        plain = unet(x, 500, ehs, **kwargs).sample
+        branches = torchfix.deepcache.check(unet, DeepCacheConfig()).n_skips
+        for branch in (0, branches // 2, branches - 1):
+            torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=branch))
+            try:
+                torchfix.deepcache.new_call(unet)
+                full = unet(x, 500, ehs, **kwargs).sample
+                cached = unet(x, 500, ehs, **kwargs).sample
+                assert torchfix.deepcache.stats(unet)["cached_steps"] == 1, case
+            finally:
+                torchfix.deepcache.remove(unet)
+            assert torch.equal(full, plain)
+            assert torch.equal(cached, plain), f"{case}, branch {branch}: max diff {(cached - plain).abs().max():.3g}"
+
+
+def test_freeu_is_applied_in_cached_steps_as_the_unet_does():
+    unet = _unet({})
+    unet.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+    x, ehs = torch.randn(1, 4, 9, 7), _ehs()
+    with torch.no_grad():
+        plain = unet(x, 500, ehs).sample
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=1))
+        try:
+            torchfix.deepcache.new_call(unet)
+            unet(x, 500, ehs)
+            cached = unet(x, 500, ehs).sample
+        finally:
+            torchfix.deepcache.remove(unet)
+    assert torch.equal(cached, plain)

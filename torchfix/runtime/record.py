@@ -1,0 +1,72 @@
+"""What a guarded call tells: an event in :func:`torchfix.report`, a log line, a
+``TorchfixWarning`` once per call site in ``warn`` mode, and the parameters a listening
+``torchfix.wrap`` should cast once."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import _context, _frames, _warn
+from .._report import FixEvent, report
+from .._text import dtype_name
+from ..config import Settings
+from ..guards.messages import action_text
+from ..guards.ops import OpSpec
+from ..guards.plan import Action, Finding
+
+__all__ = ["note", "observe", "record"]
+
+log = logging.getLogger("torchfix")
+
+
+def record(
+    spec: OpSpec,
+    settings: Settings,
+    finding: Finding,
+    before: Mapping[str, torch.Tensor],
+    site: str,
+    module: str | None,
+    changes: str | None = None,
+) -> None:
+    """Report what was done about ``finding`` (``changes``, else its actions on ``before``)."""
+    if changes is None:
+        changes = ", ".join(action_text(a, before) for a in finding.actions)
+    detail = f"{finding.problem} → {changes}" + (f" ({finding.note})" if finding.note else "")
+    action = finding.actions[0].action
+    report().add(FixEvent(spec.name, finding.guard, action, site, module, detail))
+    log.debug("torchfix %s at %s%s: %s", spec.name, site, f" [{module}]" if module else "", detail)
+    if settings.mode == "warn":
+        where = f" in {module}" if module else ""
+        verb = "noticed" if action == "noted" else "fixed"
+        _warn.once((site, spec.name), f"torchfix {verb} {spec.name}{where}: {detail}. To fix it for good: {finding.fix}.", site=site)
+
+
+def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], result: Any, depth: int = 2) -> None:
+    """Record an advisory finding (the call ran as torch computes it), with the bytes it costs."""
+    extra = ""
+    if isinstance(result, torch.Tensor) and result.is_floating_point():
+        narrowest = min(t.element_size() for t in before.values() if t.is_floating_point())
+        size = result.numel() * result.element_size()
+        extra = f"; result {size:,} B in {dtype_name(result.dtype)}, +{size - result.numel() * narrowest:,} B over the narrowest input"
+    noted = dataclasses.replace(finding, actions=(Action(finding.guard, "noted", ""),), note=finding.note + extra)
+    chain = _frames.module_chain(depth)
+    record(spec, settings, noted, before, _frames.call_site(depth), _frames.module_path(chain), "left as torch computes it")
+
+
+def observe(finding: Finding, before: Mapping[str, torch.Tensor], chain: Sequence[torch.nn.Module] | None) -> None:
+    """Tell a listening ``torchfix.wrap`` which parameters or buffers this dtype fix cast per call."""
+    sink = _context.param_casts.get()
+    if sink is None or not chain:
+        return
+    for action in finding.actions:
+        t = before.get(action.operand)
+        if t is None or not isinstance(action.to, torch.dtype):
+            continue
+        owner = next(((m, n) for m in chain for n, v in (*m._parameters.items(), *m._buffers.items()) if v is t), None)
+        if owner is not None:
+            sink.append((owner[0], owner[1], action.to))
