@@ -103,6 +103,22 @@ def test_warn_mode_warns_about_the_one_time_cast():
     w.unwrap()
 
 
+def assert_never_a_finding_or_a_change(pipe, mode, run):
+    """``wrap(pipe, mode=mode)`` flags nothing and changes nothing (no cast, no event, no warning), its output is
+    plain torch's, bit for bit, and ``unwrap()`` leaves the pipeline as it was."""
+    plain = run(pipe)
+    before = snapshot(pipe)
+    w = torchfix.wrap(pipe, mode=mode)
+    assert w.preflight() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchfix.TorchfixWarning)
+        assert torch.equal(run(w), plain)
+    assert w.findings == [] and snapshot(pipe) == before and w.kept_bytes == 0
+    assert not [e for e in torchfix.report().events if e.action != "noted"]
+    w.unwrap()
+    assert snapshot(pipe) == before
+
+
 @pytest.mark.parametrize("mode", ["off", "fix", "warn", "strict"])
 def test_deliberate_precision_is_never_a_finding_or_a_change(mode):
     """A bf16 pipeline whose norms stay float32 (diffusers' and transformers' _keep_in_fp32_modules): torch runs it."""
@@ -112,16 +128,7 @@ def test_deliberate_precision_is_never_a_finding_or_a_change(mode):
     for m in (*pipe.text_encoder.modules(), *pipe.unet.modules()):
         if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
             m.to(torch.float32)
-    plain = run(pipe, steps=2)
-    before = snapshot(pipe)
-    w = torchfix.wrap(pipe, mode=mode)
-    assert w.preflight() == []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", torchfix.TorchfixWarning)
-        assert torch.equal(run(w, steps=2), plain)
-    assert w.findings == [] and snapshot(pipe) == before and w.kept_bytes == 0
-    assert not [e for e in torchfix.report().events if e.action != "noted"]
-    w.unwrap()
+    assert_never_a_finding_or_a_change(pipe, mode, lambda p: run(p, steps=2))
     del pipe.text_encoder._keep_in_fp32_modules
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 
 import pytest
@@ -17,7 +16,7 @@ pytest.importorskip("diffusers")
 from torchfix import testing
 from torchfix.testing import latents
 
-from .test_pipeline import snapshot
+from .test_pipeline import assert_never_a_finding_or_a_change
 
 KW = dict(num_inference_steps=2, height=64, width=64, output_type="latent")
 
@@ -167,24 +166,14 @@ def test_t5_wo_kept_in_float32_in_a_bf16_sd3_is_never_a_finding_or_a_change(mode
     assert kept
     for m in kept:
         m.to(torch.float32)
-    plain = latents(pipe, steps=2)
-    ids = pipe.tokenizer_3("a cat", return_tensors="pt").input_ids
-    with torch.no_grad():
-        plain_t5 = t5(ids).last_hidden_state
-    before = snapshot(pipe)
-    w = torchfix.wrap(pipe, mode=mode)
-    assert w.preflight() == []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", torchfix.TorchfixWarning)
-        assert torch.equal(latents(w, steps=2), plain)
-    assert w.findings == [] and w.kept_bytes == 0
-    assert not [e for e in torchfix.report().events if e.action != "noted"]
-    w.unwrap()
-    assert snapshot(pipe) == before
+    assert_never_a_finding_or_a_change(pipe, mode, lambda p: latents(p, steps=2))
     if mode == "fix":  # compiled (dynamo adds attributes of its own), with the wrap's marks on wo: still torch's T5
         w = torchfix.wrap(pipe)
         w.preflight()
         torch._dynamo.reset()
+        ids = pipe.tokenizer_3("a cat", return_tensors="pt").input_ids
+        with torch.no_grad():
+            plain_t5 = t5(ids).last_hidden_state
         with torchfix.enabled(), torch.no_grad():
             assert torch.equal(torch.compile(t5, backend="eager")(ids).last_hidden_state, plain_t5)
         torch._dynamo.reset()

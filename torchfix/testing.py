@@ -165,7 +165,7 @@ def _tiny_unet(seed: int, heads: int = 4, **config: Any) -> Any:
     torch.manual_seed(seed)
     # diffusers' UNet2DConditionModel reads ``attention_head_dim`` as the number of heads
     base = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, attention_head_dim=heads, norm_num_groups=4)
-    return UNet2DConditionModel(**base, **config).eval()
+    return UNet2DConditionModel(**{**base, **config}).eval()
 
 
 def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM, heads: int = 4) -> Any:

@@ -17,14 +17,10 @@ from torchfix import DeepCacheConfig
 
 pytest.importorskip("diffusers")
 
+from torchfix import testing
+
 TEXT = 32
-BASE = dict(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=2,
-    attention_head_dim=2,
-    norm_num_groups=4,
+SHAPE = dict(  # three levels, attention in the first two, 2 heads (testing._tiny_unet gives the rest)
     block_out_channels=(8, 16, 16),
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
@@ -85,10 +81,7 @@ CASES = {
 
 
 def _unet(changes: dict):
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(**{**BASE, **changes}).eval()
+    return testing._tiny_unet(0, 2, **{**SHAPE, **changes})
 
 
 @pytest.mark.parametrize("size", [(8, 8), (9, 7)])
