@@ -20,16 +20,10 @@ from collections.abc import Hashable
 
 from .errors import TorchfixWarning
 
-__all__ = ["once", "reset", "seen"]
+__all__ = ["once", "reset"]
 
 _seen: set[Hashable] = set()
 _lock = threading.Lock()
-
-
-def seen(key: Hashable) -> bool:
-    """Whether a warning was already said for ``key``."""
-    with _lock:
-        return key in _seen
 
 
 def once(key: Hashable, text: str, *, site: str | None = None, stacklevel: int = 2) -> bool:

@@ -46,7 +46,7 @@ def record(
         _warn.once((site, spec.name), f"torchfix {verb} {spec.name}{where}: {detail}. To fix it for good: {finding.fix}.", site=site)
 
 
-def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], result: Any, depth: int = 2) -> None:
+def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], result: Any) -> None:
     """Record an advisory finding (the call ran as torch computes it), with the bytes it costs."""
     extra = ""
     if isinstance(result, torch.Tensor) and result.is_floating_point():
@@ -54,8 +54,8 @@ def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str
         size = result.numel() * result.element_size()
         extra = f"; result {size:,} B in {dtype_name(result.dtype)}, +{size - result.numel() * narrowest:,} B over the narrowest input"
     noted = dataclasses.replace(finding, actions=(Action(finding.guard, "noted", ""),), note=finding.note + extra)
-    chain = _frames.module_chain(depth)
-    record(spec, settings, noted, before, _frames.call_site(depth), _frames.module_path(chain), "left as torch computes it")
+    chain = _frames.module_chain(2)
+    record(spec, settings, noted, before, _frames.call_site(2), _frames.module_path(chain), "left as torch computes it")
 
 
 def observe(finding: Finding, before: Mapping[str, torch.Tensor], chain: Sequence[torch.nn.Module] | None) -> None:
