@@ -48,7 +48,17 @@ torch.set_num_threads(1)
 GOAL_CALL_US = 0.5
 GOAL_IMPORT_S = 0.2
 GOAL_TINY_UNET = 1.0  # percent
-MODEL_HEADER = ("model", "plain", "torchfix", "added", "noise", "goal", "guarded calls / forward", "calls × µs", "share of a GPU step")
+MODEL_HEADER = (
+    "model",
+    "plain",
+    "torchfix adds",
+    "bare closure adds",
+    "noise",
+    "goal",
+    "guarded calls / forward",
+    "calls × µs",
+    "share of a GPU step",
+)
 # One SD1.5 denoising step (UNet on a CFG batch of 2, 512x512, fp16, torch 2.1 SDPA, eager) on an
 # A100 80GB: 31.19 it/s, i.e. 32.1 ms, from github.com/fal-ai/stable-diffusion-benchmarks (README,
 # "Diffusers (torch 2.1, SDPA)"); compiled with channels-last: 47.29 it/s, 21.1 ms.
@@ -80,8 +90,20 @@ def _wrapt_check(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _bare(orig):
+    """The floor of any Python wrapper: no check at all."""
+
+    def wrapper(*args, **kwargs):
+        return orig(*args, **kwargs)
+
+    return wrapper
+
+
 class _wrapt_anchor:
-    """Every guarded attribute replaced by a wrapt FunctionWrapper for the block."""
+    """Every guarded attribute replaced by a wrapt FunctionWrapper (or ``make(original)``) for the block."""
+
+    def __init__(self, make=None) -> None:
+        self.make = make or (lambda orig: wrapt.FunctionWrapper(orig, _wrapt_check))
 
     def __enter__(self):
         self.saved = []
@@ -89,7 +111,7 @@ class _wrapt_anchor:
             raw = vars(p.owner).get(p.name)
             orig = getattr(p.owner, p.name)
             self.saved.append((p.owner, p.name, raw))
-            setattr(p.owner, p.name, wrapt.FunctionWrapper(orig, _wrapt_check))
+            setattr(p.owner, p.name, self.make(orig))
         return self
 
     def __exit__(self, *exc):
@@ -361,26 +383,56 @@ _PRICE = {
 }
 
 
-def measure_forward(run: Callable[[], object], rounds: int, repeats: int) -> tuple[float, float]:
-    def once() -> float:
-        with torch.no_grad():
-            start = time.perf_counter()
-            for _ in range(repeats):
-                run()
-            return (time.perf_counter() - start) / repeats * 1e3
+def measure_forward(run: Callable[[], object], rounds: int, repeats: int) -> tuple[float, float, float, float]:
+    """Paired rounds: plain, then torchfix and the bare-closure anchor in random order, then plain
+    again. Returns the plain time (ms, median) and, as medians over rounds in percent against the
+    mean of the round's two plain runs: torchfix's cost, the anchor's, and the noise (how far the
+    round's second plain run lies from its first)."""
+    import random
 
+    def once() -> float:
+        gc.disable()
+        try:
+            with torch.no_grad():
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    run()
+                return (time.perf_counter() - start) / repeats * 1e3
+        finally:
+            gc.enable()
+
+    def timed(variant: str) -> float:
+        if variant == "torchfix":
+            torchfix.enable("fix")
+            try:
+                once()  # the first forward after switching re-specializes the call sites
+                return once()
+            finally:
+                torchfix.disable()
+        if variant == "bare":
+            with _wrapt_anchor(_bare):
+                once()
+                return once()
+        once()
+        return once()
+
+    rng = random.Random(0)
+    torchfix.disable()
     once()
-    plain, again, guarded = [], [], []
+    plain, added, floor, noise = [], [], [], []
     for _ in range(rounds):
-        torchfix.disable()
-        plain.append(once())
-        torchfix.enable("fix")
-        guarded.append(once())
-        torchfix.disable()
-        again.append(once())
-    # A forward's time swings between rounds on a shared machine; the best round is the stable statistic.
-    # The noise: how far the best of a second plain series lies from the first.
-    return min(plain), min(guarded), abs(min(again) / min(plain) - 1) * 100
+        before = timed("plain")
+        order = ["torchfix", "bare"]
+        rng.shuffle(order)
+        got = {v: timed(v) for v in order}
+        after = timed("plain")
+        base = (before + after) / 2
+        plain.append(base)
+        added.append((got["torchfix"] / base - 1) * 100)
+        floor.append((got["bare"] / base - 1) * 100)
+        noise.append(abs(after / before - 1) * 100)
+    med = statistics.median
+    return med(plain), med(added), med(floor), med(noise)
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -441,10 +493,10 @@ def main() -> None:
         counts = count_guarded(run, originals)
         n = sum(counts.values())
         est_us = sum(c * added.get(_PRICE.get(op, ""), max(added.values())) for op, c in counts.items())
-        plain, guard, noise = measure_forward(run, (2 if args.quick else 5) if reps == 1 else (4 if args.quick else 12), reps)
+        rounds = (3 if args.quick else 7) if reps == 1 else (6 if args.quick else 40)
+        plain, pct, floor, noise = measure_forward(run, rounds, reps)
         share = est_us / 1e3 / (GPU_STEP_MS if "SD1.5 step" in basis else plain) * 100
         mix = ", ".join(f"{op.rsplit('.', 1)[-1]} {c}" for op, c in counts.most_common())
-        pct = (guard / plain - 1) * 100
         if label.startswith("tiny"):
             goal = f"≤ +{GOAL_TINY_UNET:.0f}%: " + ("ok" if pct <= GOAL_TINY_UNET else "**over**")
         else:
@@ -453,8 +505,8 @@ def main() -> None:
             (
                 label,
                 f"{plain:.1f} ms",
-                f"{guard:.1f} ms",
                 f"{pct:+.2f}%",
+                f"{floor:+.2f}%",
                 f"±{noise:.2f}%",
                 goal,
                 f"{n} ({mix})",
@@ -489,14 +541,15 @@ unguarded op.
 
 {"Every guarded row is within the goal." if not over else "Over the goal: " + ", ".join(over) + "."}
 
-How the fast path gets there (torchfix/patches/torch_ops.py): the wrapper reads the settings inline
-(`scoped.get() or GLOBAL[0]`), reads `is_meta` only where torch would compute garbage from a meta
-operand instead of raising, and runs the call; dtypes and devices are read only if torch raises
-(`cat` reads its dtypes to report promotions). One wrapper per argument shape reads positional and
-keyword calls alike; a keyword call still pays Python's re-packing of `**kwargs` into the call of the
-original (~0.1–0.3 µs, most on the pure-Python `F.group_norm`/`F.layer_norm`). While dynamo or
-`torch.export` trace, the checks run first (they vanish from the compiled graph). The floor of any
-Python wrapper here is ~0.15–0.2 µs (a bare `def w(*a, **k): return f(*a, **k)`).
+How the fast path gets there (torchfix/patches/torch_ops.py): the wrapper reads no settings at
+all. It asks whether dynamo or torch.export is tracing and whether a known-issue row is in force for
+the op's family (three reads), reads `is_meta` only on the operands torch computes with instead of
+raising when they alone are on the meta device (conv: all three; linear and matmul: two; addmm: one;
+sdpa: the mask; the norms and cat: none), and runs the call with the caller's own arguments. Only if
+torch raises does it read the settings in force and the dtypes and devices (`cat` reads its dtypes
+first, to report promotions). While dynamo or `torch.export` trace, the checks run first (they vanish
+from the compiled graph). A bare `def w(*a, **k): return f(*a, **k)` costs ~0.15–0.2 µs here: the
+rest is the meta reads (~0.035 µs each) and the three checks.
 
 ### Import
 
@@ -507,9 +560,11 @@ of torch._dynamo, triton, torch_mlir, diffusers, transformers, wrapt the import 
 
 ### Whole forwards
 
-One thread, no grad, random weights; the best of several rounds, each running plain, torchfix, plain
-again (a forward's time swings by several percent between rounds on a shared machine). Noise: how far
-the best of the second plain series lies from the first's. Guarded calls are counted per forward; their
+One thread, no grad, random weights, gc off while timing. Paired rounds: plain, then torchfix and
+a bare closure (every guarded attribute replaced by `def w(*a, **k): return f(*a, **k)`: the floor of
+any Python wrapper of these functions) in random order, then plain again; each variant's cost is its
+time against the mean of the round's two plain runs, and every column is the median over rounds.
+Noise: the median distance between a round's two plain runs. Guarded calls are counted per forward; their
 cost is that count × the measured per-call price of the op (its row above). GPU step assumed:
 one SD1.5 denoising step (UNet on a CFG batch of 2, 512², fp16, torch 2.1 SDPA, eager) on an A100 80GB
 runs at 31.19 it/s = {GPU_STEP_MS:.1f} ms ({GPU_STEP_COMPILED_MS:.1f} ms compiled), from

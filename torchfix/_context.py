@@ -1,4 +1,4 @@
-"""The per-call question "which settings are in force here?", answered in ~0.05 µs.
+"""The question "which settings are in force here?", answered in ~0.05 µs.
 
 A module of its own so that both the switch (:mod:`torchfix._state`) and the
 wrappers (:mod:`torchfix.patches`) can import it.
@@ -13,13 +13,10 @@ import torch
 
 from .config import OFF, Settings
 
-__all__ = ["GLOBAL", "current", "get_global", "pop_scoped", "push_scoped", "scoped", "set_global"]
+__all__ = ["current", "get_global", "pop_scoped", "push_scoped", "scoped", "set_global"]
 
 scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("torchfix_settings", default=None)
 _global: Settings = OFF
-# The same global settings in a one-element list: the patched wrappers hold the
-# list and read ``GLOBAL[0]`` (cheaper than a call to :func:`current`).
-GLOBAL: list[Settings] = [OFF]
 # The same scoped settings, per thread, for compiled code: dynamo cannot trace
 # ContextVar.get (a graph break) but traces a thread-local read and guards on it.
 _compiled = threading.local()
@@ -51,7 +48,6 @@ def get_global() -> Settings:
 def set_global(settings: Settings) -> None:
     global _global
     _global = settings
-    GLOBAL[0] = settings
 
 
 def current() -> Settings:
@@ -63,8 +59,8 @@ def current() -> Settings:
     that are no longer in force. The global settings are a plain module global
     for the same reason.
 
-    The patched wrappers inline the eager branch (``scoped.get() or GLOBAL[0]``)
-    and call this function only while dynamo traces.
+    The patched wrappers' fast path reads no settings; they call this function on
+    their general path (while tracing, or once torch has raised).
     """
     if torch.compiler.is_dynamo_compiling():  # folded to True while dynamo traces
         s = getattr(_compiled, "settings", None)

@@ -142,3 +142,58 @@ def test_every_restore_path_leaves_theirs_and_says_so():
     with pytest.warns(torchfix.TorchfixWarning, match="Linear.weight was replaced by someone else"):
         swap.restore()
     assert torch.equal(lin.weight, torch.zeros(2, 2))
+
+
+def test_dynamo_table_names_torch_originals_after_torchfix_was_on():
+    """Dynamo builds its table of torch functions once; built while torchfix's wrappers were
+    installed it knew a wrapper, not torch.cat, and plain torch.compile graph-broke afterwards."""
+    import torch
+
+    import torchfix
+
+    rules = pytest.importorskip("torch._dynamo.trace_rules")
+    torchfix.disable()
+    rules.clear_lru_cache()
+    try:
+        with torchfix.enabled():
+            rules.get_torch_obj_rule_map()  # built while the wrappers are installed
+        table = rules.get_torch_obj_rule_map()
+        assert torch.cat in table and torch.matmul in table
+        assert not [k for k in table if getattr(k, "__torchfix_spec__", None) is not None]
+
+        def f(x):
+            return torch.cat([torch.matmul(x, x), x], dim=1)
+
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(f)(torch.randn(3, 3)).graph_break_count == 0
+    finally:
+        torch._dynamo.reset()
+
+
+def test_torchscript_sees_through_the_wrappers_of_torch_builtins():
+    """torch.jit.script of nn.Linear / nn.Conv2d failed while torchfix was on: TorchScript looked
+    for F.linear among its builtins by identity and tried to compile the wrapper instead."""
+    import torch
+
+    import torchfix
+    from torchfix.patches import PATCHES, compilers
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 2, 1)
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(self.conv(x))
+            return torch.cat([torch.matmul(y, y), y], dim=1)
+
+    net, x = Net().eval(), torch.randn(1, 2, 4, 4)
+    torchfix.disable()
+    want = net(x)
+    with torchfix.enabled():  # scripted first here: TorchScript caches what it compiled per class
+        got = torch.jit.script(net)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert compilers._scripted == {}  # every registration dropped with the wrappers
+    table = torch.jit._builtins._get_builtin_table()
+    assert all(table.get(id(p.original)) for p in PATCHES if p.label in ("torch.cat", "torch.nn.functional.linear"))

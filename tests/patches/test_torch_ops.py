@@ -186,7 +186,7 @@ def test_out_of_memory_is_never_retried():
         calls.append(args)
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    wrapper = torch_ops._weighted(SPECS["F.linear"], fake_linear)
+    wrapper = torch_ops._maker(SPECS["F.linear"])(fake_linear)
     with torchfix.enabled("fix"), pytest.raises(torch.OutOfMemoryError):
         wrapper(x, half(w))  # a mix the slow path would fix: still one call
     assert len(calls) == 1
@@ -213,3 +213,22 @@ def test_non_strict_export_sees_the_mix_that_fake_tensors_accept():
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert any("_to_copy" in t for t in targets), targets
     assert torch.equal(ep.module()(x), F.linear(model[0](x), model[1].weight.to(bf16), model[1].bias.to(bf16)))
+
+
+@pytest.mark.parametrize("op", ["F.conv2d", "torch.matmul", "torch.cat"])
+def test_an_error_of_the_callers_own_runs_the_call_once_on_every_path(op):
+    """Meta operands (the general path) and a mixed cat (the checked path) used to be decided
+    inside a try that caught TypeError: an error from the call itself ran it a second time."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(args)
+        raise TypeError("the caller's own mistake")
+
+    wrapper = torch_ops._maker(SPECS[op])(fake)
+    meta = [_r(2, 2).to("meta"), _r(2, 2).to("meta")]
+    for args in ([meta], [[x, x.float()]]) if op == "torch.cat" else (meta,):
+        calls.clear()
+        with torchfix.enabled("fix"), pytest.raises(TypeError, match="own mistake"):
+            wrapper(*args)
+        assert len(calls) == 1, op

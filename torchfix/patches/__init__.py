@@ -2,6 +2,7 @@
 
 import threading
 
+from . import compilers
 from .compile import PATCH as COMPILE
 from .core import Patch
 from .torch_ops import PATCHES, TARGETS
@@ -19,6 +20,7 @@ def install() -> None:
     with _lock:
         for p in ALL:
             p.install()
+        compilers.sync()
 
 
 def remove() -> None:
@@ -26,6 +28,7 @@ def remove() -> None:
     with _lock:
         for p in reversed(ALL):
             p.remove()
+        compilers.sync()
 
 
 def installed() -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import _kept
+from . import compilers
 from .core import Patch
 
 __all__ = ["PATCH"]
@@ -37,11 +38,16 @@ def _make(orig: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(decorator)
             def decorate(fn: Any) -> Any:
                 _mark(fn)
-                return decorator(fn)
+                compiled = decorator(fn)
+                compilers.sync()
+                return compiled
 
+            compilers.sync()
             return decorate
         _mark(model)
-        return orig(*args, **kwargs)
+        compiled = orig(*args, **kwargs)
+        compilers.sync()  # dynamo is loaded now: its table must name torch's originals before it traces
+        return compiled
 
     return compile
 

@@ -1,39 +1,44 @@
 """The guarded torch callables and their wrappers.
 
-Patch once, gate per call. Each wrapper reads which settings are in force in
-this context (``scoped.get() or GLOBAL[0]``, ~0.05 µs); when torchfix is off it
-calls straight through. When on, eager calls take the *optimistic* path:
+Patch once, gate per call. One wrapper per argument shape (matmul-like, addmm-like,
+linear, conv, attention, norm, cat) takes ``*args, **kwargs`` and hands them to the
+original untouched: what came by position goes on by position, what came by keyword
+goes on by keyword, what was left out stays out (a tensor subclass's
+``__torch_function__`` sees the same ``args`` and ``kwargs`` as without torchfix).
+Each wrapper first asks, in three closure reads, whether dynamo or torch.export is
+tracing and whether a known-issue row is in force for the op's family; if so, or if
+the call needs a closer look, it takes the general path.
 
-1. A call with an operand on the meta device goes to the checked path: torch
-   silently computes garbage for ``F.linear(cpu, meta_weight)`` and the like,
-   and the device guard must see it first. Only the positions where torch
-   computes with a meta operand are read (``is_meta``, ~0.03 µs each); where
-   torch raises (sdpa's q/k/v, every norm operand, addmm's input and mat1,
-   linear's bias), step 3 hands the call to the device guard.
+Eager calls take the *optimistic* path, which reads no settings at all:
+
+1. An operand on the meta device goes to the general path first: for some
+   positions torch computes a meta result, or a CPU result with no data behind
+   it, instead of raising, and the device guard must see it first. Only those
+   positions are read (``is_meta``, ~0.03 µs each; :func:`_meta_operands`);
    tests/patches/test_torch_ops.py puts a meta tensor in every position of
    every op and checks that the device guard names it.
 2. Otherwise the original runs with the caller's own arguments. What torch
    accepts comes back exactly as torch computes it: that is the rule
-   (docs/guide.md), and it costs no dtype or device reads at all.
-3. Only if torch raises does torchfix look: inputs of one dtype and one device
-   mean the error is not torchfix's to fix, and torch's own exception
-   propagates untouched; anything else goes to
-   :func:`torchfix.guards.runtime.guarded_call`, which casts, moves, routes or
-   raises a clear error.
+   (docs/guide.md), and it costs no dtype or device reads at all, whichever
+   settings are in force (active ones would run it the same way; inactive
+   ones run it straight).
+3. Only if torch raises does torchfix look: with torchfix off in this
+   context, or inputs of one dtype and one device, the error is not
+   torchfix's to fix, and torch's own exception propagates untouched;
+   anything else goes to :func:`torchfix.runtime.guarded_call`, which casts,
+   moves, routes or raises a clear error.
 
-The *checked* path asks first, for every call: inputs of one dtype (bool
-masks aside) and one device, and no known-issue row for the device type,
-call straight through; anything else goes to ``guarded_call``. It runs
-while dynamo or torch.export trace (the checks cost nothing in the compiled
-graph) and where known-issue rows are in force (they match calls that torch
-runs without an error). ``cat`` always reads its dtypes: a promotion torch
-accepts is still reported, or cast where ``dtype=`` asks for it. (A ``dtype=``
-policy changes no other mix that torch accepts, so it needs no check first.)
-
-Where each tensor sits (position or keyword) is read per argument shape by a
-``pick`` function; the common positional layout is also written out inline in
-the wrapper, because on torch 2.13 CPU a Python call costs ~0.08 µs against a
-budget of 0.5 µs per guarded call.
+Every other call takes the *general* path (:func:`_general`), which reads the
+settings in force: while dynamo or torch.export trace (the checks then run
+first and cost nothing in the compiled graph: fake tensors accept dtype mixes
+that real kernels reject, so "run it and see" would not see), where known-issue
+rows are in force for the op's family (they match calls that torch runs
+without an error), and for a call whose operands the fast reads cannot place
+(a tensor passed by keyword where a position is read, a non-tensor, too few
+arguments; the general path binds by name). ``cat`` always reads its dtypes first: a
+promotion torch accepts is still reported, or cast where ``dtype=`` asks for
+it. (A ``dtype=`` policy changes no other mix that torch accepts, so it needs
+no check first.)
 """
 
 from __future__ import annotations
@@ -61,6 +66,17 @@ _ODD = (AttributeError, TypeError, ValueError, IndexError, KeyError)
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
+def _meta_operands(spec: OpSpec) -> tuple[str, ...]:
+    """The operands torch computes with, instead of raising, when that one alone is on the meta
+    device (a meta result, or a CPU result with no data behind it); the others raise in torch
+    and reach the device guard through step 3. Measured on torch 2.13 CPU and pinned by
+    tests/patches/test_torch_ops.py."""
+    if spec.kind == "matmul":
+        # addmm raises for a meta input or mat1 and computes with a meta mat2; baddbmm computes with any
+        return spec.params[2:] if spec.family == "mm" and len(spec.params) == 3 else spec.params
+    return {"linear": ("input", "weight"), "conv": spec.params, "attention": ("attn_mask",)}.get(spec.kind, ())
+
+
 def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
     """One dtype (bool masks aside) and one device among ``tensors`` (``None`` skipped),
     and no known-issue row in force for that device type."""
@@ -77,9 +93,37 @@ def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
     return True
 
 
-def _paths(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[..., Any], Callable[[tuple, dict], bool]]:
-    """The checked path and the "is this call uniform?" question for one op."""
+def _picker(spec: OpSpec) -> Picker:
+    """Where a call's tensors sit (position or keyword), read per call; for ``cat``, its sequence."""
+    if spec.sequence:
+
+        def seq(args: tuple, kwargs: dict) -> tuple:
+            tensors = args[0] if args else kwargs["tensors"]
+            if not isinstance(tensors, (list, tuple)):  # never consume an iterator torch would reject
+                raise TypeError(type(tensors).__name__)
+            return tuple(tensors)
+
+        return seq
+    where = tuple(zip(spec.tensor_positions, spec.tensors))
+
+    def pick(args: tuple, kwargs: dict) -> tuple:
+        n = len(args)
+        return tuple(args[i] if i < n else kwargs.get(name) for i, name in where)
+
+    return pick
+
+
+def _general(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[[tuple, dict], Any], Callable[[BaseException, tuple, dict], Any]]:
+    """The general path for one op, and the fast path's "torch raised: whose error is it?"."""
     slow, rows = runtime.guarded_call, ki.holder(spec.family)
+    # ``dynamo() or compiler._is_compiling_flag`` is torch.compiler.is_compiling() without its
+    # torch.jit.is_scripting() call (scripted code never reaches a Python wrapper): True while
+    # dynamo traces (folded to a constant, so dynamo never reads the flag or guards on it) and
+    # while torch.export traces non-strict.
+    dynamo = torch.compiler.is_dynamo_compiling
+    compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
+    meta = tuple((spec.params.index(name), name) for name in _meta_operands(spec))
+    sequence = spec.sequence
 
     def uniform(args: tuple, kwargs: dict) -> bool:
         try:
@@ -88,11 +132,52 @@ def _paths(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[..., Any
             return False
 
     def checked(settings: Any, args: tuple, kwargs: dict) -> Any:
+        """Ask first: one dtype and one device, and no row in force, call straight through."""
         if settings.active and not uniform(args, kwargs):
             return slow(spec, orig, settings, args, kwargs)
         return orig(*args, **kwargs)
 
-    return checked, uniform
+    def general(args: tuple, kwargs: dict) -> Any:
+        if dynamo() or compiler._is_compiling_flag:
+            return checked(_context.current(), args, kwargs)
+        settings = _context.current()
+        if not settings.active or rows[0]:
+            return checked(settings, args, kwargs)
+        # Read first, act after: nothing is called from inside a try that catches _ODD.
+        mixed = on_meta = False
+        try:
+            if sequence:
+                tensors = args[0] if args else kwargs["tensors"]
+                dt = tensors[0].dtype
+                mixed = any(t.dtype is not dt for t in tensors)
+            for i, name in meta:
+                t = args[i] if i < len(args) else kwargs.get(name)
+                if t is not None and t.is_meta:
+                    on_meta = True
+        except _ODD:
+            on_meta = True  # not tensors where tensors belong: the checked path binds by name
+        if mixed:
+            return slow(spec, orig, settings, args, kwargs)
+        if on_meta:
+            return checked(settings, args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+                raise
+        return slow(spec, orig, settings, args, kwargs)
+
+    def failed(exc: BaseException, args: tuple, kwargs: dict) -> Any:
+        """After torch raised on the fast path: the settings to fix the call with, or ``None``
+        where the error is not torchfix's (torchfix off here, inputs that agree, out of memory)."""
+        if isinstance(exc, _OUT_OF_MEMORY):
+            return None
+        settings = _context.current()
+        if not settings.active or uniform(args, kwargs):
+            return None
+        return settings
+
+    return general, failed
 
 
 class _CompilingFlag:
@@ -103,55 +188,40 @@ class _CompilingFlag:
         return torch.compiler.is_compiling()
 
 
-def _prologue(spec: OpSpec) -> tuple[Any, ...]:
-    """What every wrapper holds in its closure (closure cells are the cheapest reads); the
-    last item holds the device types with a known-issue row in force for ``spec``'s family."""
-    return (
-        # ``dynamo() or compiler._is_compiling_flag`` is torch.compiler.is_compiling() without
-        # its torch.jit.is_scripting() call (~0.04 µs; scripted code never reaches a Python
-        # wrapper): True while dynamo traces (folded to a constant, so dynamo never reads the
-        # flag or guards on it) and while torch.export traces non-strict. There, fake tensors
-        # accept dtype mixes that real kernels reject, so "run it and see" would not see, and
-        # the checked path runs instead.
-        torch.compiler.is_dynamo_compiling,
-        torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag(),
-        _context.current,
-        _context.scoped.get,
-        _context.GLOBAL,
-        runtime.guarded_call,
-        ki.holder(spec.family),
-    )
+def _prologue(spec: OpSpec, orig: Wrapper) -> tuple[Any, ...]:
+    """What every fast wrapper holds in its closure (closure cells are the cheapest reads)."""
+    general, failed = _general(spec, orig, _picker(spec))
+    # ``dynamo() or compiler._is_compiling_flag``: see :func:`_general`.
+    compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
+    return torch.compiler.is_dynamo_compiling, compiler, ki.holder(spec.family), general, failed, runtime.guarded_call
 
 
-def _by_name(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:
-    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))
+# The fast wrappers, one per argument shape. Each reads the meta-capable operands where the
+# calls that matter put them (by position; a keyword-only bias or mask is read from kwargs)
+# and sends anything else (a tensor passed by keyword where a position is read, too few
+# arguments, a non-tensor) to the general path, which binds by name. Nothing is called from
+# inside a ``try`` that catches _ODD: an error of the caller's own would be caught there and
+# the call run twice.
 
 
 def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """matmul / mm / bmm and their Tensor methods: two tensors (``out=`` passes through)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
-    names = spec.params[:2]
-
-    def pick(args: tuple, kwargs: dict) -> tuple:
-        return _by_name(args, kwargs, names)
-
-    checked, uniform = _paths(spec, orig, pick)
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return checked(current(), args, kwargs)
-        settings = scoped() or glob[0]
-        if not settings.active or rows[0]:
-            return checked(settings, args, kwargs)
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
         try:
-            if args[0].is_meta or args[1].is_meta:
-                return checked(settings, args, kwargs)
+            look = args[0].is_meta or args[1].is_meta
         except _ODD:
-            return checked(settings, args, kwargs)
+            look = True
+        if look:
+            return general(args, kwargs)
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            settings = failed(exc, args, kwargs)
+            if settings is None:
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
@@ -160,69 +230,73 @@ def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """addmm / baddbmm and their Tensor methods: three tensors (``beta=``, ``alpha=``, ``out=`` pass through)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
-    names = spec.params[:3]
-
-    def pick(args: tuple, kwargs: dict) -> tuple:
-        return _by_name(args, kwargs, names)
-
-    checked, uniform = _paths(spec, orig, pick)
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
     batched = spec.family == "bmm"  # addmm raises for a meta input or mat1; baddbmm computes
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return checked(current(), args, kwargs)
-        settings = scoped() or glob[0]
-        if not settings.active or rows[0]:
-            return checked(settings, args, kwargs)
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
         try:
-            if args[2].is_meta or (batched and (args[0].is_meta or args[1].is_meta)):
-                return checked(settings, args, kwargs)
+            look = args[2].is_meta or (batched and (args[0].is_meta or args[1].is_meta))
         except _ODD:
-            return checked(settings, args, kwargs)
+            look = True
+        if look:
+            return general(args, kwargs)
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            settings = failed(exc, args, kwargs)
+            if settings is None:
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
 
-def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """linear / conv: (input, weight, bias=None, options...), any of them by keyword."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
-
-    def pick(args: tuple, kwargs: dict) -> tuple:
-        n = len(args)
-        if n > 2:
-            return args[0], args[1], args[2]
-        x = args[0] if n else kwargs["input"]
-        return x, args[1] if n > 1 else kwargs["weight"], kwargs.get("bias")
-
-    checked, uniform = _paths(spec, orig, pick)
-    conv = spec.kind == "conv"  # F.linear raises for a meta bias; conv computes
+def _linear(spec: OpSpec, orig: Wrapper) -> Wrapper:
+    """linear(input, weight, bias=None): a meta input or weight computes (a meta result, or a CPU
+    result with no data behind it); a meta bias raises."""
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return checked(current(), args, kwargs)
-        settings = scoped() or glob[0]
-        if not settings.active or rows[0]:
-            return checked(settings, args, kwargs)
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
         try:
-            if args[0].is_meta or args[1].is_meta:
-                return checked(settings, args, kwargs)
-            if conv:
-                bias = args[2] if len(args) > 2 else kwargs.get("bias") if kwargs else None
-                if bias is not None and bias.is_meta:
-                    return checked(settings, args, kwargs)
+            look = args[0].is_meta or args[1].is_meta
         except _ODD:
-            return checked(settings, args, kwargs)
+            look = True
+        if look:
+            return general(args, kwargs)
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            settings = failed(exc, args, kwargs)
+            if settings is None:
+                raise
+        return slow(spec, orig, settings, args, kwargs)
+
+    return wrapper
+
+
+def _conv(spec: OpSpec, orig: Wrapper) -> Wrapper:
+    """conv1d/2d/3d(input, weight, bias=None, stride, padding, dilation, groups): all three compute."""
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
+        try:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias") if kwargs else None
+            look = args[0].is_meta or args[1].is_meta or (bias is not None and bias.is_meta)
+        except _ODD:
+            look = True
+        if look:
+            return general(args, kwargs)
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            settings = failed(exc, args, kwargs)
+            if settings is None:
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
@@ -230,32 +304,24 @@ def _weighted(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 
 def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, ...)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
-    names = ("query", "key", "value")
-
-    def pick(args: tuple, kwargs: dict) -> tuple:
-        q, k, v = args[:3] if len(args) >= 3 else _by_name(args, kwargs, names)
-        return q, k, v, args[3] if len(args) > 3 else kwargs.get("attn_mask")
-
-    checked, uniform = _paths(spec, orig, pick)
+    """scaled_dot_product_attention(q, k, v, attn_mask=None, ...): q, k, v on meta raise; a meta mask computes."""
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return checked(current(), args, kwargs)
-        settings = scoped() or glob[0]
-        if not settings.active or rows[0]:
-            return checked(settings, args, kwargs)
-        try:  # q, k or v on meta raise in torch; a meta mask computes
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
+        try:
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask") if kwargs else None
-            if mask is not None and mask.is_meta:
-                return checked(settings, args, kwargs)
+            look = mask is not None and mask.is_meta
         except _ODD:
-            return checked(settings, args, kwargs)
+            look = True
+        if look:
+            return general(args, kwargs)
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            settings = failed(exc, args, kwargs)
+            if settings is None:
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
@@ -263,27 +329,17 @@ def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 
 def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """layer_norm / group_norm: (input, shape-or-groups, weight=None, bias=None, eps=...)."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
-
-    def pick(args: tuple, kwargs: dict) -> tuple:
-        n = len(args)
-        x = args[0] if n else kwargs["input"]
-        return x, args[2] if n > 2 else kwargs.get("weight"), args[3] if n > 3 else kwargs.get("bias")
-
-    checked, uniform = _paths(spec, orig, pick)
+    """layer_norm / group_norm: a meta input, weight or bias raises in torch: nothing to read first."""
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return checked(current(), args, kwargs)
-        settings = scoped() or glob[0]
-        if not settings.active or rows[0]:
-            return checked(settings, args, kwargs)
-        # A meta input, weight or bias raises in torch: nothing to read before the call.
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            settings = failed(exc, args, kwargs)
+            if settings is None:
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
@@ -293,49 +349,46 @@ def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
 def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """cat / concat / concatenate(tensors, dim=0, *, out=None): every dtype is read, since a
     promotion torch accepts is still reported; devices are left to torch, which raises."""
-    dynamo, compiler, current, scoped, glob, slow, rows = _prologue(spec)
-
-    def pick(args: tuple, kwargs: dict) -> tuple:
-        seq = args[0] if args else kwargs["tensors"]
-        if not isinstance(seq, (list, tuple)):  # never consume an iterator torch would reject
-            raise TypeError(type(seq).__name__)
-        return tuple(seq)
-
-    checked, uniform = _paths(spec, orig, pick)
+    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return checked(current(), args, kwargs)
-        settings = scoped() or glob[0]
-        if not settings.active or rows[0]:
-            return checked(settings, args, kwargs)
+        if dynamo() or rows[0] or compiler._is_compiling_flag:
+            return general(args, kwargs)
         try:
             seq = args[0] if args else kwargs["tensors"]
             dt = seq[0].dtype
+            look = False
             for t in seq:
                 if t.dtype is not dt:
-                    return slow(spec, orig, settings, args, kwargs)
+                    look = True
+                    break
         except _ODD:
-            return checked(settings, args, kwargs)
+            look = True
+        if look:
+            return general(args, kwargs)
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            settings = failed(exc, args, kwargs)
+            if settings is None:
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
 
 
+_TEMPLATES: dict[str, Callable[[OpSpec, Wrapper], Wrapper]] = {
+    "cat": _cat,
+    "attention": _attention,
+    "norm": _norm,
+    "linear": _linear,
+    "conv": _conv,
+}
+
+
 def _template(spec: OpSpec) -> Callable[[OpSpec, Wrapper], Wrapper]:
-    if spec.kind == "cat":
-        return _cat
-    if spec.kind == "attention":
-        return _attention
-    if spec.kind == "norm":
-        return _norm
-    if spec.kind in ("linear", "conv"):
-        return _weighted
+    if spec.kind in _TEMPLATES:
+        return _TEMPLATES[spec.kind]
     return _matmul if len(spec.tensors) == 2 else _addmm
 
 

@@ -1,0 +1,91 @@
+"""Teach torch's compilers about the wrappers: dynamo traces them, TorchScript sees through them.
+
+Dynamo: keep its table of torch functions pointing at torch's originals, never at our wrappers.
+
+Dynamo builds its table of torch functions (``trace_rules.get_torch_obj_rule_map``) once,
+from the attributes in place at that moment. Built while torchfix's wrappers are installed,
+it lists a wrapper as "torch.cat" and not the original: dynamo then puts the wrapper in the
+graph instead of tracing its checks, and once that wrapper is gone (``disable()``, or a new
+one installed) it no longer knows torch's own ``torch.cat``: plain ``torch.compile``
+graph-breaks on every guarded op. :func:`sync` swaps every wrapper key back to what it wraps.
+It never imports dynamo: where dynamo is not loaded yet there is no table to fix.
+
+TorchScript: ``torch.jit.script`` of any module that calls ``F.linear`` (``nn.Linear``) looks the
+function up in its table of builtins by identity; our wrapper is not in it, TorchScript tries to
+compile the wrapper's Python and fails. :func:`sync` registers each installed wrapper under its
+original's aten name (a scripted graph calls the aten op directly, as it does without torchfix)
+and drops wrappers no longer installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+__all__ = ["sync"]
+
+# id(wrapper) -> wrapper, for every wrapper registered with TorchScript (the reference keeps the id
+# from being reused while the entry stands).
+_scripted: dict[int, Any] = {}
+
+log = logging.getLogger("torchfix")
+
+
+def _ours(key: Any) -> bool:
+    try:
+        return getattr(key, "__torchfix_spec__", None) is not None
+    except Exception:  # a key with an odd __getattr__ is not ours
+        return False
+
+
+def sync() -> None:
+    """Bring dynamo's and TorchScript's tables in line with the wrappers installed now.
+
+    >>> sync()  # nothing to do, or the tables fixed; never raises
+    """
+    _sync_dynamo()
+    _sync_script()
+
+
+def _sync_script() -> None:
+    builtins = sys.modules.get("torch.jit._builtins")
+    table_of = getattr(builtins, "_get_builtin_table", None)
+    if table_of is None:
+        return
+    from . import PATCHES  # the package imports this module first
+
+    try:
+        table = table_of()
+    except Exception as exc:
+        log.debug("torchfix: TorchScript's builtin table not readable (%s); left alone", exc)
+        return
+    live = {id(p.wrapper): p for p in PATCHES if p.installed and p.wrapper is not None}
+    for key in [k for k in _scripted if k not in live]:
+        table.pop(key, None)
+        del _scripted[key]
+    for key, p in live.items():
+        op = table.get(id(p.original))
+        if op is not None and key not in _scripted:
+            table[key] = op
+            _scripted[key] = p.wrapper
+
+
+def _sync_dynamo() -> None:
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    table_of = getattr(rules, "get_torch_obj_rule_map", None)
+    if table_of is None:
+        return
+    try:
+        table = table_of()
+    except Exception as exc:  # a torch whose table cannot be built here: dynamo will say so itself
+        log.debug("torchfix: dynamo's rule table not readable (%s); left alone", exc)
+        return
+    if not isinstance(table, dict):
+        return
+    for key in [k for k in table if _ours(k)]:
+        rule = table.pop(key)
+        original = key
+        while _ours(original):
+            original = original.__wrapped__
+        table.setdefault(original, rule)
