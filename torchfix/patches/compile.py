@@ -42,7 +42,6 @@ def _make(orig: Callable[..., Any]) -> Callable[..., Any]:
                 compilers.sync()
                 return compiled
 
-            compilers.sync()
             return decorate
         _mark(model)
         compiled = orig(*args, **kwargs)

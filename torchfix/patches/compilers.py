@@ -23,6 +23,8 @@ import logging
 import sys
 from typing import Any
 
+from .torch_ops import PATCHES
+
 __all__ = ["sync"]
 
 # id(wrapper) -> wrapper, for every wrapper registered with TorchScript (the reference keeps the id
@@ -53,8 +55,6 @@ def _sync_script() -> None:
     table_of = getattr(builtins, "_get_builtin_table", None)
     if table_of is None:
         return
-    from . import PATCHES  # the package imports this module first
-
     try:
         table = table_of()
     except Exception as exc:

@@ -113,15 +113,26 @@ def _picker(spec: OpSpec) -> Picker:
     return pick
 
 
-def _general(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[[tuple, dict], Any], Callable[[BaseException, tuple, dict], Any]]:
+class _CompilingFlag:
+    """Stands in for ``torch.compiler`` on a torch without ``_is_compiling_flag``."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+# ``_DYNAMO() or _COMPILER._is_compiling_flag`` is torch.compiler.is_compiling() without its
+# torch.jit.is_scripting() call (scripted code never reaches a Python wrapper): True while dynamo
+# traces (folded to a constant, so dynamo never reads the flag or guards on it) and while
+# torch.export traces non-strict.
+_DYNAMO = torch.compiler.is_dynamo_compiling
+_COMPILER = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
+
+
+def _general(spec: OpSpec, orig: Wrapper) -> tuple[Callable[[tuple, dict], Any], Callable[[BaseException, tuple, dict], Any]]:
     """The general path for one op, and the fast path's "torch raised: whose error is it?"."""
-    slow, rows = runtime.guarded_call, ki.holder(spec.family)
-    # ``dynamo() or compiler._is_compiling_flag`` is torch.compiler.is_compiling() without its
-    # torch.jit.is_scripting() call (scripted code never reaches a Python wrapper): True while
-    # dynamo traces (folded to a constant, so dynamo never reads the flag or guards on it) and
-    # while torch.export traces non-strict.
-    dynamo = torch.compiler.is_dynamo_compiling
-    compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
+    slow, rows, pick = runtime.guarded_call, ki.holder(spec.family), _picker(spec)
+    dynamo, compiler = _DYNAMO, _COMPILER
     meta = tuple((spec.params.index(name), name) for name in _meta_operands(spec))
     sequence = spec.sequence
 
@@ -180,20 +191,10 @@ def _general(spec: OpSpec, orig: Wrapper, pick: Picker) -> tuple[Callable[[tuple
     return general, failed
 
 
-class _CompilingFlag:
-    """Stands in for ``torch.compiler`` on a torch without ``_is_compiling_flag``."""
-
-    @property
-    def _is_compiling_flag(self) -> bool:
-        return torch.compiler.is_compiling()
-
-
 def _prologue(spec: OpSpec, orig: Wrapper) -> tuple[Any, ...]:
     """What every fast wrapper holds in its closure (closure cells are the cheapest reads)."""
-    general, failed = _general(spec, orig, _picker(spec))
-    # ``dynamo() or compiler._is_compiling_flag``: see :func:`_general`.
-    compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
-    return torch.compiler.is_dynamo_compiling, compiler, ki.holder(spec.family), general, failed, runtime.guarded_call
+    general, failed = _general(spec, orig)
+    return _DYNAMO, _COMPILER, ki.holder(spec.family), general, failed, runtime.guarded_call
 
 
 # The fast wrappers, one per argument shape. Each reads the meta-capable operands where the
