@@ -170,6 +170,43 @@ def test_dynamo_table_names_torch_originals_after_torchfix_was_on():
         torch._dynamo.reset()
 
 
+def test_dynamo_set_of_tensor_methods_names_torch_originals():
+    """Dynamo's set of Tensor methods is built once too; built while a wrapper sat on Tensor.mm it
+    lacked TensorBase.mm, and torch.Tensor.mm(x, y) failed under fullgraph compile, with torchfix on
+    and after disable() alike."""
+    rules = pytest.importorskip("torch._dynamo.trace_rules")
+
+    def f(x, y):
+        return torch.Tensor.mm(x, y) + torch.Tensor.__matmul__(x, y) + torch.Tensor.addmm(x, x, y)
+
+    def compiled_matches(x):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(x, x), f(x, x), rtol=0, atol=0)
+
+    def build_while_on() -> None:
+        rules.get_tensor_method.cache_clear()
+        rules.get_tensor_method()  # built from the attributes in place: the wrappers
+        assert torch.Tensor.mm not in rules.get_tensor_method()  # Tensor.mm is the wrapper here
+
+    torchfix.disable()
+    x = torch.randn(3, 3)
+    try:
+        with torchfix.enabled():
+            build_while_on()
+        assert torch.Tensor.mm in rules.get_tensor_method()  # set right again on removal
+        assert torch.Tensor.__matmul__ in rules.get_tensor_method()
+        compiled_matches(x)  # plain torch.compile after torchfix was on
+        with torchfix.enabled():
+            build_while_on()
+            compiled_matches(x)  # torchfix on: torch.compile sets it right before tracing
+            originals = [p.original for p in PATCHES if p.owner is torch.Tensor and p.installed]
+            builtin = [o for o in originals if isinstance(o, (types.MethodDescriptorType, types.WrapperDescriptorType))]
+            assert len(builtin) >= 6 and all(o in rules.get_tensor_method() for o in builtin)
+            assert isinstance(torch.Tensor.mm, types.FunctionType)  # the wrapper is back after the rebuild
+    finally:
+        torch._dynamo.reset()
+
+
 def test_torchscript_sees_through_the_wrappers_of_torch_builtins():
     """torch.jit.script of nn.Linear / nn.Conv2d failed while torchfix was on: TorchScript looked
     for F.linear among its builtins by identity and tried to compile the wrapper instead."""

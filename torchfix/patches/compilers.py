@@ -8,7 +8,13 @@ it lists a wrapper as "torch.cat" and not the original: dynamo then puts the wra
 graph instead of tracing its checks, and once that wrapper is gone (``disable()``, or a new
 one installed) it no longer knows torch's own ``torch.cat``: plain ``torch.compile``
 graph-breaks on every guarded op. :func:`sync` swaps every wrapper key back to what it wraps.
-It never imports dynamo: where dynamo is not loaded yet there is no table to fix.
+Its set of Tensor methods (``trace_rules.get_tensor_method``) is built the same way, from the
+builtin methods on ``torch.Tensor`` at that moment: built while a wrapper sat on ``Tensor.mm``,
+it lacks ``TensorBase.mm``, and ``torch.Tensor.mm(x, y)`` under ``torch.compile(fullgraph=True)``
+failed ("does not know how to trace the builtin TensorBase.mm"), with torchfix on and after
+``disable()`` alike. That set is a frozenset behind ``functools.cache``: :func:`sync` rebuilds it
+with the originals in place for the moment it takes. It never imports dynamo: where dynamo is
+not loaded yet there is no table to fix.
 
 TorchScript: ``torch.jit.script`` of any module that calls ``F.linear`` (``nn.Linear``) looks the
 function up in its table of builtins by identity; our wrapper is not in it, TorchScript tries to
@@ -21,7 +27,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from typing import Any
+
+import torch
 
 from .torch_ops import PATCHES
 
@@ -47,6 +56,7 @@ def sync() -> None:
     >>> sync()  # nothing to do, or the tables fixed; never raises
     """
     _sync_dynamo()
+    _sync_tensor_methods()
     _sync_script()
 
 
@@ -89,3 +99,31 @@ def _sync_dynamo() -> None:
         while _ours(original):
             original = original.__wrapped__
         table.setdefault(original, rule)
+
+
+# The kinds of Tensor attribute dynamo's set of Tensor methods holds (trace_rules.get_tensor_method).
+_BUILTIN_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.BuiltinFunctionType)
+
+
+def _sync_tensor_methods() -> None:
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    methods = getattr(rules, "get_tensor_method", None)
+    if methods is None or not hasattr(methods, "cache_clear"):
+        return
+    ours = [p for p in PATCHES if p.owner is torch.Tensor and isinstance(p.original, _BUILTIN_METHODS)]
+    try:
+        if all(p.original in methods() for p in ours):
+            return
+        # Rebuild it with torch's own methods in place: ours step aside for the moment it takes
+        # (only where ours is the attribute; a wrapper someone put over ours stays).
+        aside = [p for p in ours if p.installed and vars(torch.Tensor).get(p.name) is p.wrapper]
+        try:
+            for p in aside:
+                setattr(torch.Tensor, p.name, p.original)
+            methods.cache_clear()
+            methods()
+        finally:
+            for p in aside:
+                setattr(torch.Tensor, p.name, p.wrapper)
+    except Exception as exc:  # a torch whose set cannot be built here: dynamo will say so itself
+        log.debug("torchfix: dynamo's set of Tensor methods not rebuilt (%s); left alone", exc)
