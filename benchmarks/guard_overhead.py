@@ -22,6 +22,7 @@ Timings stay out of the unit tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -30,7 +31,7 @@ import sys
 import time
 import timeit
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("TORCHFIX_MODE", "off")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -383,6 +384,20 @@ _PRICE = {
 }
 
 
+@contextlib.contextmanager
+def _torchfix_on() -> Iterator[None]:
+    torchfix.enable("fix")
+    try:
+        yield
+    finally:
+        torchfix.disable()
+
+
+def _priced(counts: Counter, price_us: dict[str, float]) -> float:
+    """µs per forward: each guarded call × its op's per-call row (the dearest row where none prices it)."""
+    return sum(c * price_us.get(_PRICE.get(op, ""), max(price_us.values())) for op, c in counts.items())
+
+
 def measure_forward(run: Callable[[], object], rounds: int, repeats: int) -> tuple[float, float, float, float]:
     """Paired rounds: plain, then torchfix and the bare-closure anchor in random order, then plain
     again. Returns the plain time (ms, median) and, as medians over rounds in percent against the
@@ -401,20 +416,12 @@ def measure_forward(run: Callable[[], object], rounds: int, repeats: int) -> tup
         finally:
             gc.enable()
 
+    variants = {"plain": contextlib.nullcontext, "torchfix": _torchfix_on, "bare": lambda: _wrapt_anchor(_bare)}
+
     def timed(variant: str) -> float:
-        if variant == "torchfix":
-            torchfix.enable("fix")
-            try:
-                once()  # the first forward after switching re-specializes the call sites
-                return once()
-            finally:
-                torchfix.disable()
-        if variant == "bare":
-            with _wrapt_anchor(_bare):
-                once()
-                return once()
-        once()
-        return once()
+        with variants[variant]():
+            once()  # the first forward after switching re-specializes the call sites
+            return once()
 
     rng = random.Random(0)
     torchfix.disable()
@@ -499,8 +506,7 @@ def main() -> None:
         model, run = build()
         counts = count_guarded(run, originals)
         n = sum(counts.values())
-        est_us = sum(c * added.get(_PRICE.get(op, ""), max(added.values())) for op, c in counts.items())
-        bare_us = sum(c * bare.get(_PRICE.get(op, ""), max(bare.values())) for op, c in counts.items())
+        est_us, bare_us = _priced(counts, added), _priced(counts, bare)
         rounds = (3 if args.quick else 7) if reps == 1 else (6 if args.quick else 40)
         plain, pct, floor, noise = measure_forward(run, rounds, reps)
         share = est_us / 1e3 / (GPU_STEP_MS if "SD1.5 step" in basis else plain) * 100

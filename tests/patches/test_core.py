@@ -147,10 +147,6 @@ def test_every_restore_path_leaves_theirs_and_says_so():
 def test_dynamo_table_names_torch_originals_after_torchfix_was_on():
     """Dynamo builds its table of torch functions once; built while torchfix's wrappers were
     installed it knew a wrapper, not torch.cat, and plain torch.compile graph-broke afterwards."""
-    import torch
-
-    import torchfix
-
     rules = pytest.importorskip("torch._dynamo.trace_rules")
     torchfix.disable()
     rules.clear_lru_cache()
@@ -210,10 +206,7 @@ def test_dynamo_set_of_tensor_methods_names_torch_originals():
 def test_torchscript_sees_through_the_wrappers_of_torch_builtins():
     """torch.jit.script of nn.Linear / nn.Conv2d failed while torchfix was on: TorchScript looked
     for F.linear among its builtins by identity and tried to compile the wrapper instead."""
-    import torch
-
-    import torchfix
-    from torchfix.patches import PATCHES, compilers
+    from torchfix.patches import compilers
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:

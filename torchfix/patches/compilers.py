@@ -60,15 +60,22 @@ def sync() -> None:
     _sync_script()
 
 
-def _sync_script() -> None:
-    builtins = sys.modules.get("torch.jit._builtins")
-    table_of = getattr(builtins, "_get_builtin_table", None)
+def _table(module: str, getter: str, what: str) -> Any:
+    """What ``module.getter()`` returns, where that module is loaded already; ``None`` where it is
+    not, or where the table cannot be read on this torch (the compiler will say so itself)."""
+    table_of = getattr(sys.modules.get(module), getter, None)
     if table_of is None:
-        return
+        return None
     try:
-        table = table_of()
+        return table_of()
     except Exception as exc:
-        log.debug("torchfix: TorchScript's builtin table not readable (%s); left alone", exc)
+        log.debug("torchfix: %s not readable (%s); left alone", what, exc)
+        return None
+
+
+def _sync_script() -> None:
+    table = _table("torch.jit._builtins", "_get_builtin_table", "TorchScript's builtin table")
+    if table is None:
         return
     live = {id(p.wrapper): p for p in PATCHES if p.installed and p.wrapper is not None}
     for key in [k for k in _scripted if k not in live]:
@@ -82,15 +89,7 @@ def _sync_script() -> None:
 
 
 def _sync_dynamo() -> None:
-    rules = sys.modules.get("torch._dynamo.trace_rules")
-    table_of = getattr(rules, "get_torch_obj_rule_map", None)
-    if table_of is None:
-        return
-    try:
-        table = table_of()
-    except Exception as exc:  # a torch whose table cannot be built here: dynamo will say so itself
-        log.debug("torchfix: dynamo's rule table not readable (%s); left alone", exc)
-        return
+    table = _table("torch._dynamo.trace_rules", "get_torch_obj_rule_map", "dynamo's rule table")
     if not isinstance(table, dict):
         return
     for key in [k for k in table if _ours(k)]:
@@ -106,24 +105,21 @@ _BUILTIN_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, typ
 
 
 def _sync_tensor_methods() -> None:
-    rules = sys.modules.get("torch._dynamo.trace_rules")
-    methods = getattr(rules, "get_tensor_method", None)
-    if methods is None or not hasattr(methods, "cache_clear"):
-        return
+    have = _table("torch._dynamo.trace_rules", "get_tensor_method", "dynamo's set of Tensor methods")
     ours = [p for p in PATCHES if p.owner is torch.Tensor and isinstance(p.original, _BUILTIN_METHODS)]
+    if have is None or all(p.original in have for p in ours):
+        return
+    # Rebuild it with torch's own methods in place: ours step aside for the moment it takes
+    # (only where ours is the attribute; a wrapper someone put over ours stays).
+    methods = sys.modules["torch._dynamo.trace_rules"].get_tensor_method
+    aside = [p for p in ours if p.installed and vars(torch.Tensor).get(p.name) is p.wrapper]
     try:
-        if all(p.original in methods() for p in ours):
-            return
-        # Rebuild it with torch's own methods in place: ours step aside for the moment it takes
-        # (only where ours is the attribute; a wrapper someone put over ours stays).
-        aside = [p for p in ours if p.installed and vars(torch.Tensor).get(p.name) is p.wrapper]
-        try:
-            for p in aside:
-                setattr(torch.Tensor, p.name, p.original)
-            methods.cache_clear()
-            methods()
-        finally:
-            for p in aside:
-                setattr(torch.Tensor, p.name, p.wrapper)
-    except Exception as exc:  # a torch whose set cannot be built here: dynamo will say so itself
+        for p in aside:
+            setattr(torch.Tensor, p.name, p.original)
+        methods.cache_clear()
+        methods()
+    except Exception as exc:  # a torch whose set cannot be rebuilt here: dynamo will say so itself
         log.debug("torchfix: dynamo's set of Tensor methods not rebuilt (%s); left alone", exc)
+    finally:
+        for p in aside:
+            setattr(torch.Tensor, p.name, p.wrapper)
