@@ -74,7 +74,9 @@ def test_settings_changes_reach_compiled_code_and_strict_raises_torchfix_error(b
     compiled = torch.compile(lin, backend=backend, fullgraph=fullgraph)
     with torchfix.enabled():
         fixed = compiled(x)
-    assert fixed.dtype == torch.bfloat16
+    assert fixed.dtype == torch.float16  # the model (the fp16 Linear) wins, compiled as eagerly
+    with torchfix.enabled():
+        assert torch.equal(lin(x), fixed)
     with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match=r"F\.linear.*input is bfloat16") as info:
         compiled(x)  # compiled under fix: the mode change still reaches it
     assert "torch.compile" in str(info.value) and "fix:" in str(info.value)
@@ -183,7 +185,7 @@ def test_kept_modules_and_buffers_decide_compiled_as_eagerly(backend, how):
             compiled.load_state_dict(model.state_dict())
             compiled.compile(backend=backend, fullgraph=True)
         got = compiled(x)
-    assert eager.dtype == torch.bfloat16  # the activations won the matmul against the buffer
+    assert eager.dtype == torch.bfloat16  # the model's dtype (bf16: the kept fp32 proj does not count) won against the buffer
     assert eager.dtype == got.dtype and torch.equal(got, eager)
     upcast = torch.nn.functional.linear(model.inp(x).float(), model.proj.weight, model.proj.bias)
     assert torch.equal(eager, torch.matmul(upcast.to(torch.bfloat16), model.mix.to(torch.bfloat16)))

@@ -25,7 +25,7 @@ def test_process_report_is_shared_and_sites_are_user_frames():
     x, w = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(3, 4, dtype=torch.float16)
     with torchfix.enabled():
         for _ in range(3):
-            F.linear(x, w)  # this line is the site
+            F.linear(x, w.clone())  # this line is the site (fresh tensors: one tensor cast again is one event)
     evs = torchfix.report().events
     assert len(evs) == 3 and len({e.site for e in evs}) == 1
     assert evs[0].site.startswith("tests/test_report.py:") and evs[0].module is None

@@ -22,6 +22,7 @@ from .errors import (
     DtypeMismatchError,
     LayoutError,
     ModelMismatchError,
+    NonFiniteError,
     TorchfixError,
     TorchfixWarning,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "KnownIssue",
     "LayoutError",
     "ModelMismatchError",
+    "NonFiniteError",
     "PipelineProxy",
     "Report",
     "Settings",

@@ -14,7 +14,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["call_site", "module_chain", "module_path", "name_root"]
+__all__ = ["call_site", "module_chain", "module_path", "name_root", "owner"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCHFIX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -59,13 +59,15 @@ def call_site(depth: int = 1) -> str:
 
 
 def module_chain(depth: int = 1) -> list[torch.nn.Module]:
-    """Modules being run, innermost first (read from ``Module._call_impl`` frames)."""
-    chain = []
+    """Modules being run, innermost first: read from ``Module._call_impl`` frames and from the
+    frames of a module's own methods (``vae.decode`` runs the VAE, though not its ``forward``)."""
+    chain: list[torch.nn.Module] = []
     frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
-        if frame.f_code is _CALL_IMPL:
+        code = frame.f_code
+        if code is _CALL_IMPL or (code.co_argcount and code.co_varnames[0] == "self" and not code.co_filename.startswith(_TORCH_DIR)):
             module = frame.f_locals.get("self")
-            if isinstance(module, torch.nn.Module):
+            if isinstance(module, torch.nn.Module) and not any(module is m for m in chain):
                 chain.append(module)
         frame = frame.f_back
     return chain
@@ -113,24 +115,51 @@ def _component(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[t
     return None
 
 
+def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.nn.Module, str]:
+    """The model the running modules belong to, and its display name.
+
+    The outermost module that the pipeline named wins; else a named module that
+    contains the running ones (a submodule called directly); else a running module
+    that a calling pipeline holds as a component (plain `import torchfix`, no wrap);
+    else the outermost running.
+    """
+    root = next((m for m in reversed(chain) if m in _ROOT_NAMES), None)
+    if root is None:
+        root = next((r for r in list(_ROOT_NAMES.keys()) if _names(r, chain[-1]) is not None), None)
+    if root is None:
+        found = _component(chain, frame)
+        if found is not None:
+            return found
+        return chain[-1], ""
+    return root, _ROOT_NAMES.get(root, "")
+
+
+def _compiled(module: torch.nn.Module) -> torch.nn.Module:
+    # torch.compile's OptimizedModule runs the module it holds: that module is the model.
+    inner = module._modules.get("_orig_mod") if type(module).__name__ == "OptimizedModule" else None
+    return inner if inner is not None else module
+
+
+def owner(chain: list[torch.nn.Module]) -> tuple[torch.nn.Module, str] | None:
+    """The model a call made inside the running modules ``chain`` (innermost first) belongs to, with
+    its name (a pipeline component's, else its class's); ``None`` when no module is running.
+
+    >>> import torch
+    >>> owner([]) is None
+    True
+    """
+    if not chain:
+        return None
+    root, name = _root([_compiled(m) for m in chain], sys._getframe(1))
+    return root, name or type(root).__name__
+
+
 def module_path(chain: list[torch.nn.Module]) -> str | None:
     """Dotted path of the innermost module, e.g. ``text_encoder.text_projection``."""
     if not chain:
         return None
     leaf = chain[0]
-    # The outermost module that the pipeline named wins; else a named module that
-    # contains the running ones (a submodule called directly); else a running module
-    # that a calling pipeline holds as a component (plain `import torchfix`, no wrap);
-    # else the outermost running.
-    root = next((m for m in reversed(chain) if m in _ROOT_NAMES), None)
-    if root is None:
-        root = next((r for r in list(_ROOT_NAMES.keys()) if _names(r, chain[-1]) is not None), None)
-    prefix = None
-    if root is None:
-        found = _component(chain, sys._getframe(1))
-        root, prefix = found if found is not None else (chain[-1], "")
-    if prefix is None:
-        prefix = _ROOT_NAMES.get(root, "")
+    root, prefix = _root(chain, sys._getframe(1))
     if leaf is root:
         return prefix or type(leaf).__name__
     name = _names(root, leaf)

@@ -24,7 +24,7 @@ import torch
 from . import _frames
 from .guards import dtype as dtype_guard
 
-__all__ = ["KEEP", "OWNED", "Mark", "is_kept", "is_owned", "keep_dtype", "mark_model", "unmark"]
+__all__ = ["KEEP", "OWNED", "Mark", "is_kept", "is_owned", "keep_dtype", "kept_parameters", "mark_model", "unmark"]
 
 KEEP = "_torchfix_keep"  # "module": torchfix.keep_dtype; "fp32": listed in _keep_in_fp32_modules (kept while float32)
 OWNED = "_torchfix_owned"  # a buffer of a model torchfix has seen (a parameter needs no mark)
@@ -94,6 +94,21 @@ def mark_model(root: torch.nn.Module) -> list[Mark]:
     for b in root.buffers():
         _set(b, OWNED, True, marks)
     return marks
+
+
+def kept_parameters(root: torch.nn.Module) -> set[int]:
+    """The ids of ``root``'s parameters kept in their precision on purpose: of a module given to
+    :func:`keep_dtype`, or listed in a ``_keep_in_fp32_modules`` while float32. They keep their
+    dtype and are not counted in the model's own (a T5 with its ``wo`` kept fp32 is a bf16 model)."""
+    kept = {id(p) for p in root.parameters() if p.__dict__.get(KEEP) == "module"}
+    for module in root.modules():
+        if module in _kept_modules:
+            kept.update(id(p) for p in module.parameters())
+        if getattr(module, "_keep_in_fp32_modules", None):
+            for sub_path, sub in module.named_modules():
+                if sub_path and dtype_guard.kept_in_fp32(module, sub_path):
+                    kept.update(id(p) for p in sub.parameters() if p.dtype == torch.float32)
+    return kept
 
 
 def unmark(marks: Iterable[Mark]) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "DtypeMismatchError",
     "LayoutError",
     "ModelMismatchError",
+    "NonFiniteError",
     "TorchfixError",
     "TorchfixWarning",
 ]
@@ -39,6 +40,10 @@ class LayoutError(TorchfixError):
 
 class ModelMismatchError(TorchfixError):
     """A pipeline was given state (embeddings, components) made for another model."""
+
+
+class NonFiniteError(TorchfixError):
+    """A reduced-precision component (a VAE decode in fp16) turned finite input into NaN/inf (``strict`` mode)."""
 
 
 class TorchfixWarning(UserWarning):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _context, _frames, _kept, deepcache
+from . import _context, _frames, _kept, _model, _warn, deepcache
 from ._context import current
 from ._report import FixEvent, report
 from ._state import enabled
@@ -29,9 +29,10 @@ from .config import Settings
 from .deepcache import DeepCacheConfig, UnsupportedUNetError
 from .deepcache import check as deepcache_check
 from .devices import canonical, unusable_reason
-from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, TorchfixWarning
+from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, NonFiniteError, TorchfixWarning
+from .guards import dtype as dtype_guard
 from .guards.plan import Finding
-from .patches.instance import TensorHandle, swap_tensor
+from .patches.instance import HookHandle, TensorHandle, add_hook, swap_tensor
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
 
@@ -137,6 +138,27 @@ def _unet_conditioning(pipe: Any, unet: Any) -> list[Finding]:
     return findings
 
 
+def _component_dtypes(modules: dict[str, torch.nn.Module]) -> list[Finding]:
+    """Components that run in another dtype than the denoiser: information, never an error. Each
+    component is its own model and runs in its own dtype (an fp32 VAE beside an fp16 UNet stays
+    fp32); what one hands another is cast to the receiver's dtype."""
+    dtypes = {n: d for n, m in modules.items() if (d := _model.model_dtype(m)) is not None}
+    main = next((n for n in ("transformer", "unet") if n in dtypes), None)
+    if main is None or len(set(dtypes.values())) < 2:
+        return []
+    findings = []
+    for name, dt in dtypes.items():
+        if name == main or dt == dtypes[main]:
+            continue
+        problem = f"{name} is {_dt(dt)}, {main} is {_dt(dtypes[main])}"
+        fix = (
+            f"nothing to do: each component runs in its own dtype; what one hands another is cast to the receiver's dtype "
+            f"at its first layer (to use one dtype: pipe.{name}.to(torch.{_dt(dtypes[main])}))"
+        )
+        findings.append(Finding("dtype", problem, fix, advisory=True, component=name))
+    return findings
+
+
 def _transformer_conditioning(pipe: Any, transformer: Any) -> list[Finding]:
     """SD3: two CLIP encoders (hidden states padded to the T5 width, projections concatenated) and a T5 encoder;
     Flux: a CLIP encoder (its pooled output) and a T5 encoder."""
@@ -165,6 +187,61 @@ def _transformer_conditioning(pipe: Any, transformer: Any) -> list[Finding]:
             problem = f"text_encoder (CLIP) pooled width {clip} does not match {pooled[1]}"
             findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
     return findings
+
+
+# What a ControlNet hands the denoiser, by the denoiser's keyword (UNet, SD3/Flux transformers).
+_HANDOVER_KWARGS = (
+    "down_block_additional_residuals",
+    "mid_block_additional_residual",
+    "down_intrinsic_residuals",
+    "block_controlnet_hidden_states",
+    "controlnet_block_samples",
+    "controlnet_single_block_samples",
+)
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _cast_handover(value: Any, receiver: torch.dtype | None, seen: list[torch.dtype]) -> Any:
+    """``value`` (a tensor, or a tuple/list of them) with each floating tensor cast where
+    :func:`torchfix.guards.dtype.handover` says so; the dtypes it cast from go to ``seen``."""
+    if isinstance(value, torch.Tensor):
+        target = dtype_guard.handover(receiver, value.dtype)
+        if target is None:
+            return value
+        seen.append(value.dtype)
+        return value.to(target)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_handover(v, receiver, seen) for v in value)
+    return value
+
+
+def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why an SD3-family or Flux-ControlNet call's height/width would fail deep inside, or ``None``.
+
+    SD3's latents are cut into ``patch_size`` patches and Flux's packed in 2×2: a size that is not a
+    multiple of ``vae_scale_factor × patch`` fails with ``size of tensor a (9) must match the size of
+    tensor b (8)`` in the ControlNet pipelines, which check only ``% 8`` (SD3) or resize the latents
+    but not the control image (Flux). Plain Flux pipelines resize both and are left alone.
+    """
+    transformer = getattr(pipe, "transformer", None)
+    scale = getattr(pipe, "vae_scale_factor", None)
+    if not hasattr(transformer, "config") or not isinstance(scale, int):
+        return None
+    flux = hasattr(pipe, "_pack_latents")
+    if flux and getattr(pipe, "controlnet", None) is None:
+        return None
+    patch = 2 if flux else transformer.config.get("patch_size", 1) or 1
+    multiple = scale * patch
+    bad = {k: v for k in ("height", "width") if isinstance(v := kwargs.get(k), int) and v % multiple}
+    if not bad:
+        return None
+    sizes = ", ".join(f"{k}={v} (use {v // multiple * multiple} or {(v // multiple + 1) * multiple})" for k, v in bad.items())
+    return (
+        f"torchfix: {sizes} is not a multiple of {multiple} (vae_scale_factor {scale} × patch {patch}) for "
+        f"{type(pipe).__name__}: the latents would not split into patches and the call would fail deep inside "
+        "(`size of tensor a must match the size of tensor b`). Pass a height and width that are multiples of "
+        f"{multiple}."
+    )
 
 
 class PipelineProxy(wrapt.ObjectProxy):
@@ -249,6 +326,7 @@ class PipelineProxy(wrapt.ObjectProxy):
             self._self_marks += _kept.mark_model(module)
 
         findings += self._conditioning()
+        findings += _component_dtypes(modules)
         self._self_findings = findings
         self._self_fingerprint = self._fingerprint()
         self._self_learned = False
@@ -278,10 +356,14 @@ class PipelineProxy(wrapt.ObjectProxy):
 
     # --- calls -----------------------------------------------------------------------------
 
-    def _check_embeddings(self, kwargs: dict[str, Any]) -> None:
+    def _check_call(self, kwargs: dict[str, Any]) -> None:
         """Precomputed embeddings of another model are refused before anything runs, naming both widths; so is a
-        T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently)."""
+        T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently), and a height or
+        width that an SD3/Flux ControlNet pipeline cannot cut into patches."""
         pipe = self.__wrapped__
+        resolution = _resolution_error(pipe, kwargs)
+        if resolution is not None:
+            raise ValueError(resolution)
         length = kwargs.get("max_sequence_length")
         t5_tokenizer = getattr(pipe, "tokenizer_3", None) or (getattr(pipe, "tokenizer_2", None) if hasattr(pipe, "transformer") else None)
         limit = getattr(t5_tokenizer, "model_max_length", None)
@@ -324,7 +406,7 @@ class PipelineProxy(wrapt.ObjectProxy):
             deepcache.new_call(self._self_cached_unet)
 
     def _raise_on_findings(self) -> None:
-        blocking = [f for f in self._self_findings if not f.applied]
+        blocking = [f for f in self._self_findings if not f.applied and not f.advisory]
         if not blocking:
             return
         text = "\n".join(f"  - {f}" for f in blocking)
@@ -339,10 +421,11 @@ class PipelineProxy(wrapt.ObjectProxy):
             return self.__wrapped__(*args, **kwargs)
         self._sync_state()
         self._raise_on_findings()
-        self._check_embeddings(kwargs)
+        self._check_call(kwargs)
         s = self._self_settings
         learn: list[tuple[Any, str, Any]] | None = [] if mode in ("fix", "warn") and not self._self_learned else None
         token = _context.param_casts.set(learn)
+        hooks = self._call_hooks(mode)
         try:
             with enabled(
                 mode=None if s is None else s.mode,
@@ -352,11 +435,94 @@ class PipelineProxy(wrapt.ObjectProxy):
             ):
                 result = self.__wrapped__(*args, **kwargs)
         finally:
+            for h in hooks:
+                h.restore()
             _context.param_casts.reset(token)
         if learn is not None:
             self._self_learned = True
             self._cast_once(learn, mode)
         return result
+
+    # --- during one call ---------------------------------------------------------------------
+
+    def _call_hooks(self, mode: str) -> list[HookHandle]:
+        """Hooks that live for one wrapped call only (another pipeline sharing a component never sees
+        them): hand-overs cast to the receiver's dtype, and the VAE's non-finite check."""
+        modules = _modules(self.__wrapped__)
+        hooks = []
+        if mode in ("fix", "warn"):
+            for name in ("unet", "transformer"):
+                if name in modules:
+                    hooks.append(add_hook(modules[name], self._handover_hook(name, mode), pre=True, with_kwargs=True))
+        vae = modules.get("vae")
+        for part in ("decoder", "encoder"):
+            sub = getattr(vae, part, None)
+            if isinstance(sub, torch.nn.Module):
+                hooks.append(add_hook(sub, self._finite_hook(f"vae.{part}", mode), with_kwargs=True))
+        return hooks
+
+    def _handover_hook(self, name: str, mode: str) -> Any:
+        def cast_handover(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+            present = [k for k in _HANDOVER_KWARGS if kwargs.get(k) is not None]
+            if not present:
+                return None
+            receiver = _model.model_dtype(module)
+            seen: list[torch.dtype] = []
+            for key in present:
+                kwargs[key] = _cast_handover(kwargs[key], receiver, seen)
+            if not seen:
+                return None
+            site = _frames.call_site(1)
+            given = ", ".join(sorted({_dt(d) for d in seen}))
+            detail = (
+                f"{len(seen)} ControlNet residual(s) in {given} handed to {name} ({_dt(receiver)}) → cast to {_dt(receiver)} "
+                f"(rule: the receiver's dtype wins; torch would promote its activations and its next layer would reject them)"
+            )
+            report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, name, detail))
+            if mode == "warn":
+                text = f"torchfix.wrap: {detail}. To fix it for good: pipe.controlnet.to(torch.{_dt(receiver)})."
+                _warn.once(("handover", name, given), text, site=site)
+            return args, kwargs
+
+        return cast_handover
+
+    def _finite_hook(self, path: str, mode: str) -> Any:
+        running: list[bool] = []
+
+        def rerun_non_finite(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+            # Only a reduced-precision result is checked: one isfinite pass over the output.
+            if running or not isinstance(output, torch.Tensor) or output.dtype not in _LOW or bool(torch.isfinite(output).all()):
+                return None
+            inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if not all(bool(torch.isfinite(t).all()) for t in inputs):
+                return None  # garbage in: not the VAE's precision at fault
+            site = _frames.call_site(1)
+            low = _dt(output.dtype)
+            problem = f"{path} in {low} produced NaN/inf from finite input (its activations exceed {low}'s range)"
+            fix = f"run the VAE in float32 (pipe.vae.to(torch.float32), or a VAE fixed for {low} such as madebyollin/sdxl-vae-fp16-fix)"
+            if mode == "strict":
+                raise NonFiniteError(f"torchfix: {problem}. To fix: {fix}.")
+            up = {n: t.float() if t.is_floating_point() else t for n, t in (*module.named_parameters(), *module.named_buffers())}
+            cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            cast_kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+            running.append(True)
+            try:
+                result = torch.func.functional_call(module, up, tuple(cast), cast_kw)
+            finally:
+                running.pop()
+            back = result.to(output.dtype)
+            result = back if bool(torch.isfinite(back).all()) else result
+            detail = (
+                f"{problem} → re-ran in float32, returned {_dt(result.dtype)} "
+                "(rule: a non-finite reduced-precision decode is re-run in float32, as AUTOMATIC1111's VAE revert does)"
+            )
+            report().add(FixEvent("torchfix.wrap", "dtype", "upcast", site, path, detail))
+            log.info("torchfix.wrap: %s: %s", path, detail)
+            if mode == "warn":
+                _warn.once(("non-finite", path), f"torchfix.wrap: {detail}. To fix it for good: {fix}.", site=site)
+            return result
+
+        return rerun_non_finite
 
     # --- what the first call taught ---------------------------------------------------------
 
@@ -375,13 +541,11 @@ class PipelineProxy(wrapt.ObjectProxy):
             wanted.setdefault((id(module), name), (module, name, set()))[2].add(dtype)
         site = _frames.call_site(2)
         for module, name, dtypes in wanted.values():
-            if len(dtypes) != 1:
-                continue  # used at two dtypes: one cast cannot serve both; the guards keep casting per call
-            (dtype,) = dtypes
             tensor = module._parameters.get(name)
             tensor = module._buffers.get(name) if tensor is None else tensor
-            if tensor is None or tensor.dtype == dtype:
-                continue
+            dtype = None if tensor is None else dtype_guard.cast_once(tensor.dtype, dtypes)
+            if tensor is None or dtype is None:
+                continue  # one cast cannot serve two dtypes, and a one-time cast never goes up: the guards keep casting per call
             before = tensor.dtype
             handle = swap_tensor(module, name, lambda t, dt=dtype: t.to(dt))
             self._self_swaps.append(handle)

@@ -33,10 +33,64 @@ def test_what_torch_accepts_is_nothing_whatever_the_kind():
     assert dtype_guard.decide("matmul", ops(input=f16, other=bf16), accepted=True, policy_dtype=bf16) is None
 
 
-def test_linear_activations_win():
+def test_linear_with_no_model_running_the_input_wins():
     f = dtype_guard.decide("linear", ops(input=bf16, weight=f16, bias=f16), accepted=False)
     assert [(a.operand, a.to) for a in f.actions] == [("weight", bf16), ("bias", bf16)]
-    assert f.torch_raises and "per-call" in f.note
+    assert f.torch_raises and "per-call" in f.note and "no model running" in f.note
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv", "norm"])
+def test_the_models_dtype_wins_over_a_stray_input(kind):
+    f = dtype_guard.decide(kind, ops(input=f32, weight=f16, bias=f16), accepted=False, model_dtype=f16, model="unet")
+    assert [(a.operand, a.action, a.to) for a in f.actions] == [("input", "cast", f16)]
+    assert "model's own dtype (float16, unet)" in f.note and "cast input to torch.float16" in f.fix
+
+
+def test_an_fp32_model_casts_its_stray_input_up():
+    f = dtype_guard.decide("conv", ops(input=f16, weight=f32, bias=f32), accepted=False, model_dtype=f32, model="vae")
+    assert [(a.operand, a.action, a.to) for a in f.actions] == [("input", "upcast", f32)]
+
+
+def test_the_models_dtype_wins_over_a_stray_layer():
+    f = dtype_guard.decide("linear", ops(input=bf16, weight=f16, bias=f16), accepted=False, model_dtype=bf16, model="text_encoder_2")
+    assert [(a.operand, a.to) for a in f.actions] == [("weight", bf16), ("bias", bf16)]
+    assert "module.to(torch.bfloat16)" in f.fix and "per-call cast" in f.note
+
+
+def test_the_model_decides_matmul_and_attention_too_but_not_over_dtype_or_autocast():
+    base = ops(input=f32, other=f16)
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False, model_dtype=f16).actions} == {f16}
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False, model_dtype=f16, policy_dtype=bf16).actions} == {bf16}
+    assert {a.to for a in dtype_guard.decide("matmul", base, accepted=False, model_dtype=f16, autocast_dtype=bf16).actions} == {bf16}
+    f = dtype_guard.decide("attention", ops(query=f32, key=f16, value=f16), accepted=False, model_dtype=f16)
+    assert [(a.operand, a.to) for a in f.actions] == [("query", f16)]
+
+
+def test_a_kept_module_outranks_the_model():
+    f = dtype_guard.decide("linear", ops(input=f16, weight=f32), accepted=False, keep=True, model_dtype=f16)
+    assert [(a.operand, a.action, a.to) for a in f.actions] == [("input", "upcast", f32)]
+
+
+def test_dominant_dtype_by_bytes():
+    assert dtype_guard.dominant({f16: 100, f32: 60}) == f16
+    assert dtype_guard.dominant({f16: 100, f32: 100}) == f32  # a tie goes to the wider
+    assert dtype_guard.dominant({torch.float8_e4m3fn: 10**6, bf16: 2}) == bf16
+    assert dtype_guard.dominant({}) is None
+
+
+def test_one_time_casts_never_go_up_and_never_serve_two_dtypes():
+    assert dtype_guard.cast_once(f16, {bf16}) == bf16
+    assert dtype_guard.cast_once(f32, {f16}) == f16
+    assert dtype_guard.cast_once(f16, {f32}) is None
+    assert dtype_guard.cast_once(f16, {bf16, f32}) is None
+    assert dtype_guard.cast_once(f16, {f16}) is None
+
+
+def test_handover_cast_only_where_the_promotion_leaves_the_receivers_dtype():
+    assert dtype_guard.handover(bf16, f16) == bf16
+    assert dtype_guard.handover(f16, f32) == f16
+    assert dtype_guard.handover(f32, f16) is None  # torch keeps fp32: left alone
+    assert dtype_guard.handover(None, f16) is None and dtype_guard.handover(f16, f16) is None
 
 
 def test_kept_module_casts_input_up():
@@ -124,16 +178,27 @@ def test_accepts_agrees_with_torch(a, b, autocast):
 # --- through the patched ops --------------------------------------------------------------
 
 
-def test_linear_fixed_and_equal_to_manual_cast():
+def test_bare_linear_fixed_and_equal_to_manual_cast():
     x = torch.randn(3, 4, dtype=bf16)
-    lin = torch.nn.Linear(4, 5).to(f16)
-    expected = F.linear(x, lin.weight.to(bf16), lin.bias.to(bf16))
+    w, b = torch.randn(5, 4, dtype=f16), torch.randn(5, dtype=f16)
+    expected = F.linear(x, w.to(bf16), b.to(bf16))
     with torchfix.enabled():
-        out = lin(x)
+        out = F.linear(x, w, b)
     assert out.dtype == bf16 and torch.equal(out, expected)
     (ev,) = torchfix.report().events
-    assert (ev.op, ev.guard, ev.action, ev.module) == ("F.linear", "dtype", "cast", "Linear")
+    assert (ev.op, ev.guard, ev.action, ev.module) == ("F.linear", "dtype", "cast", None)
     assert ev.site.startswith("tests/guards/test_dtype.py:") and "weight float16→bfloat16" in ev.detail
+
+
+def test_a_module_is_its_own_model_its_input_is_cast():
+    x = torch.randn(3, 4, dtype=bf16)
+    lin = torch.nn.Linear(4, 5).to(f16)
+    with torchfix.enabled():
+        out = lin(x)
+    assert out.dtype == f16 and torch.equal(out, lin(x.to(f16)))  # what `x.to(model.dtype)` returns
+    (ev,) = torchfix.report().events
+    assert (ev.op, ev.guard, ev.action, ev.module) == ("F.linear", "dtype", "cast", "Linear")
+    assert "input bfloat16→float16" in ev.detail and "model's own dtype" in ev.detail
 
 
 def test_module_path_inside_a_model():
@@ -153,7 +218,7 @@ def test_strict_raises_with_cause_and_full_message():
     msg = str(info.value)
     assert "F.linear" in msg and "text_projection" in msg and "test_dtype.py:" in msg
     assert "input" in msg and "bfloat16" in msg and "float16" in msg and "shape=(2, 4)" in msg and "stride=(4, 1)" in msg
-    assert "fix:" in msg and "module.to(torch.bfloat16)" in msg
+    assert "fix:" in msg and "cast input to torch.float16" in msg  # the model (text_projection alone) is fp16
     assert isinstance(info.value.__cause__, RuntimeError) and "same dtype" in str(info.value.__cause__)
     assert isinstance(info.value, RuntimeError)
     assert torchfix.report().events == []
@@ -164,7 +229,7 @@ def test_warn_mode_warns_once_per_site():
     with torchfix.enabled(mode="warn"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            F.linear(x, w)
+            F.linear(x, w.clone())  # three tensors: three events (one tensor cast again is one)
     ours = [w for w in caught if issubclass(w.category, torchfix.TorchfixWarning)]
     assert len(ours) == 1 and "F.linear" in str(ours[0].message)
     assert ours[0].filename.endswith("test_dtype.py")
@@ -221,8 +286,8 @@ def test_conv_and_sdpa_and_group_norm():
     kv = torch.randn(1, 2, 5, 8, dtype=bf16)
     mask = torch.randn(5, 5, dtype=f32)
     with torchfix.enabled():
-        assert conv(x).dtype == bf16
-        assert gn(x).dtype == bf16
+        assert conv(x).dtype == f16 and torch.equal(conv(x), conv(x.to(f16)))  # each module is its own (fp16) model
+        assert gn(x).dtype == f16
         out = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
         assert out.dtype == f16
     # key and value follow the query; the float32 mask, which torch accepts, stays float32
@@ -273,7 +338,7 @@ def test_one_stray_fp16_conv1d_leaves_a_bf16_model_bf16():
     fixed = copy.deepcopy(model).to(bf16)  # what the stray layer's per-call cast computes
     assert out.dtype == bf16 and torch.equal(out, fixed(x))
     (ev,) = torchfix.report().events
-    assert ev.op == "torch.addmm" and ev.module == "2" and "activations" in ev.detail
+    assert ev.op == "torch.addmm" and ev.module == "2" and "model's own dtype (bfloat16, Sequential)" in ev.detail
 
 
 def test_cat_promotion_is_noted_not_changed_and_policy_dtype_changes_it():

@@ -59,6 +59,8 @@ def decide(
     policy_dtype: torch.dtype | None,
     autocast_dtype: torch.dtype | None,
     keep: bool,
+    model_dtype: torch.dtype | None = None,
+    model: str = "",
 ) -> tuple[Finding, ...]:
     """The device and dtype findings for one call (cached per argument tuple).
 
@@ -71,6 +73,7 @@ def decide(
         policy_dtype: the dtype the caller asked for (``dtype=``, or a matmul's ``out=``).
         autocast_dtype: the active autocast dtype for the operands' device type.
         keep: the op runs in a module kept in its precision on purpose.
+        model_dtype, model: the dtype and name of the model running the call (``None``: a bare call).
     """
     operands = [Operand(*s) for s in signature]
     found = []
@@ -85,7 +88,10 @@ def decide(
             operands = [dataclasses.replace(o, device=device) for o in operands]
     if dtype_on and len({o.dtype for o in operands if o.dtype.is_floating_point}) > 1:
         accepted = _accepted(op, operands, device, autocast_dtype)
-        f = dtype_guard.decide(kind, operands, accepted=accepted, policy_dtype=policy_dtype, autocast_dtype=autocast_dtype, keep=keep)
+        f = dtype_guard.decide(
+            kind, operands, accepted=accepted, policy_dtype=policy_dtype, autocast_dtype=autocast_dtype, keep=keep,
+            model_dtype=model_dtype, model=model,
+        )
         if f is not None:
             if f.actions and f.torch_raises:
                 f = _minimal(op, operands, f, device, autocast_dtype)

@@ -6,18 +6,25 @@ the mix is asked of torch itself (:mod:`torchfix.guards.accepts`) and passed in.
 The rule (see :mod:`torchfix.guards`): a mix torch accepts is left alone, in
 every mode. The one exception the caller asks for is ``dtype=``, which also
 decides a silent ``cat`` promotion; without it such a promotion is only
-reported (an *advisory* finding). Where torch raises:
+reported (an *advisory* finding). Where torch raises, **the model's own dtype
+wins** (what diffusers and transformers maintainers do: cast the stray input to
+``model.dtype``, cast the stray layer to the model's dtype, upcast the latents
+for a VAE kept in fp32). ``model_dtype`` is the dominant floating dtype, by
+parameter bytes, of the model the call belongs to (:func:`dominant`); a stray
+input is cast to it at the first op that rejects it, so every later layer runs
+natively. In order:
 
-- ``linear``/``conv``/``norm``: the activations win; weight and bias are cast
-  to the input's dtype for the call. A module kept in another precision on
-  purpose (``keep=True``) wins instead: its input is cast to the weight's dtype.
-- ``matmul`` family: the configured ``dtype``, else an active autocast dtype,
-  else, when some operands are parameters or buffers of a module being run,
-  the activations' dtype (a stray fp16 layer never turns the rest of a bf16
-  model into fp32), else ``torch.promote_types`` over the operands.
-- ``cat`` (which raises only under autocast): the configured ``dtype``, else
+- a module kept in its precision on purpose (``keep=True``: ``keep_dtype``,
+  ``_keep_in_fp32_modules``) wins in ``linear``/``conv``/``norm``: its input is
+  cast to the weight's dtype;
+- ``matmul``/``cat``: the configured ``dtype``, else an active autocast dtype;
+- the model's dtype, when a model is running the call (``linear``, ``conv``,
+  ``norm``, ``matmul``, ``attention``);
+- with no model running (a bare call): ``linear``/``conv``/``norm`` cast weight
+  and bias to the input's dtype; the matmul family promotes
+  (``torch.promote_types``), except that parameters follow the activations;
+  attention follows the query; a ``cat`` rejected under autocast goes to
   autocast's dtype.
-- ``attention``: the query wins.
 
 >>> import torch
 >>> from torchfix.guards.plan import Operand
@@ -27,11 +34,15 @@ reported (an *advisory* finding). Where torch raises:
 [('weight', torch.bfloat16)]
 >>> decide("norm", [Operand("input", torch.bfloat16, cpu), Operand("weight", torch.float32, cpu)], accepted=True) is None
 True
+>>> f = decide("linear", [Operand("input", torch.float32, cpu), Operand("weight", torch.float16, cpu)], accepted=False,
+...            model_dtype=torch.float16)
+>>> [(a.operand, a.to) for a in f.actions]  # a stray fp32 input into an fp16 model
+[('input', torch.float16)]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import reduce
 
 import torch
@@ -39,7 +50,7 @@ import torch
 from .._text import dtype_name as _name
 from .plan import Action, Finding, Operand
 
-__all__ = ["decide", "kept_in_fp32"]
+__all__ = ["cast_once", "decide", "dominant", "handover", "kept_in_fp32"]
 
 
 def kept_in_fp32(model: object, path: str) -> bool:
@@ -54,6 +65,58 @@ def kept_in_fp32(model: object, path: str) -> bool:
     names = getattr(model, "_keep_in_fp32_modules", None) or ()
     parts = path.split(".")
     return any(n in parts for n in names)
+
+
+def dominant(sizes: Mapping[torch.dtype, int]) -> torch.dtype | None:
+    """A model's own dtype: the floating dtype holding the most parameter bytes (``sizes``: bytes
+    per dtype). One-byte storage dtypes (fp8) are never a compute dtype and are not counted (a
+    model stored in fp8 by diffusers' layerwise casting counts its compute dtype instead, see
+    :func:`torchfix._model.model_dtype`); a tie goes to the wider dtype. ``None`` for no parameters.
+
+    >>> dominant({torch.bfloat16: 1000, torch.float16: 10})
+    torch.bfloat16
+    >>> dominant({torch.float8_e4m3fn: 4000, torch.bfloat16: 10}) is torch.bfloat16
+    True
+    """
+    counted = [(n, dt.itemsize, dt) for dt, n in sizes.items() if dt.is_floating_point and dt.itemsize > 1 and n > 0]
+    return max(counted, key=lambda c: (c[0], c[1]))[2] if counted else None
+
+
+def cast_once(current: torch.dtype, wanted: set[torch.dtype]) -> torch.dtype | None:
+    """``torchfix.wrap``'s one-time cast of a parameter or buffer that the guards cast on every call:
+    the dtype to cast it to once, or ``None`` to leave it (and keep casting per call).
+
+    The guards only ever cast the stray minority of a model to the model's dtype, so
+    a one-time cast never touches a component's majority. It is made only where every
+    call wanted the same dtype, and never upwards: a one-time cast must never increase
+    memory, and a tensor kept in a higher precision stays in it.
+
+    >>> cast_once(torch.float16, {torch.bfloat16}), cast_once(torch.float16, {torch.float32})
+    (torch.bfloat16, None)
+    """
+    if len(wanted) != 1:
+        return None  # used at two dtypes: one cast cannot serve both
+    (target,) = wanted
+    if target == current or target.itemsize > current.itemsize:
+        return None
+    return target
+
+
+def handover(receiver: torch.dtype | None, given: torch.dtype) -> torch.dtype | None:
+    """The dtype to cast a tensor that one pipeline component hands to another (ControlNet
+    residuals to the UNet or transformer) to, or ``None`` to leave it as torch computes it.
+
+    The receiver adds such tensors to its own activations; where torch's promotion keeps the
+    receiver's dtype (an fp16 residual into an fp32 UNet) the call runs and is left alone.
+    Where it would not (fp16 into bf16 promotes to fp32, which the receiver's next layer
+    rejects), the hand-over is cast to the receiver's dtype.
+
+    >>> handover(torch.bfloat16, torch.float16), handover(torch.float32, torch.float16)
+    (torch.bfloat16, None)
+    """
+    if receiver is None or not given.is_floating_point or given == receiver:
+        return None
+    return receiver if torch.promote_types(receiver, given) != receiver else None
 
 
 def _describe(floats: Sequence[Operand]) -> str:
@@ -75,6 +138,8 @@ def decide(
     policy_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     keep: bool = False,
+    model_dtype: torch.dtype | None = None,
+    model: str = "",
 ) -> Finding | None:
     """The dtype finding for one call, or ``None`` when there is nothing to fix or report.
 
@@ -85,6 +150,8 @@ def decide(
         policy_dtype: the ``dtype=`` given to enable/enabled/wrap.
         autocast_dtype: the active autocast dtype for the operands' device type.
         keep: the op belongs to a module kept in its precision on purpose.
+        model_dtype: the dominant dtype of the model running the call (``None``: a bare call).
+        model: that model's name, for the messages.
     """
     floats = [o for o in operands if o.dtype.is_floating_point]
     if len({o.dtype for o in floats}) <= 1:
@@ -103,41 +170,74 @@ def decide(
         note = f"torch promotes the result to {_name(target)}, {target.itemsize // narrowest}× the bytes of the narrowest input"
         fix = "cast the tensors to one dtype before the call, or pass dtype= to torchfix to choose the result's dtype"
         return Finding("dtype", mix, fix, (), torch_raises=False, note=note, advisory=True)
+    inp = next((o for o in floats if o.role == "input"), None)
+    weight = next((o for o in floats if o.role == "weight"), None)
+    if kind in _PARAM_KINDS and keep and weight is not None and inp is not None:
+        target = weight.dtype
+        fix = f"this module is kept in {_name(target)} on purpose; its input is cast to {_name(target)}"
+        actions = _cast_all(floats, target, _verb(floats, target))
+        return Finding("dtype", mix, fix, actions, True, "rule: a module kept in its precision wins")
+    if kind in ("matmul", "cat") and (policy_dtype is not None or autocast_dtype is not None):
+        if policy_dtype is not None:
+            target, why = policy_dtype, f"the requested dtype {_name(policy_dtype)} (dtype= or out=)"
+        else:
+            target, why = autocast_dtype, f"the active autocast dtype {_name(autocast_dtype)}"
+        fix = f"cast the operands to one dtype before the call, or pass dtype= to torchfix (now: {why})"
+        return Finding("dtype", mix, fix, _cast_all(floats, target), True, f"rule: {why}")
+    if model_dtype is not None and kind != "cat":
+        return _model_wins(floats, mix, model_dtype, model or "the model")
     if kind in ("matmul", "cat"):
         params = [o for o in floats if o.param]
         acts = {o.dtype for o in floats if not o.param}
-        if policy_dtype is not None:
-            target, why, action = policy_dtype, f"the requested dtype {_name(policy_dtype)} (dtype= or out=)", "cast"
-        elif autocast_dtype is not None:
-            target, why, action = autocast_dtype, f"the active autocast dtype {_name(autocast_dtype)}", "cast"
-        elif kind == "matmul" and params and len(acts) == 1:
+        if kind == "matmul" and params and len(acts) == 1:
             target = next(iter(acts))
             names = ", ".join(o.name for o in params if o.dtype != target)
             fix = f"cast the module that owns {names} once with module.to(torch.{_name(target)}) (or use torchfix.wrap(pipe))"
-            note = f"the activations' dtype wins over the parameters'; per-call cast of {names} until the module is cast once"
+            note = f"rule: the activations' dtype wins over the parameters' (no model running); per-call cast of {names}"
             return Finding("dtype", mix, fix, _cast_all(floats, target), True, note)
-        else:
-            target = reduce(torch.promote_types, (o.dtype for o in floats))
-            why, action = f"torch.promote_types → {_name(target)}", "promote"
-        fix = f"cast the operands to one dtype before the call, or pass dtype= to torchfix (now: {why})"
-        return Finding("dtype", mix, fix, _cast_all(floats, target, action), True)
+        target = reduce(torch.promote_types, (o.dtype for o in floats))
+        fix = f"cast the operands to one dtype before the call, or pass dtype= to torchfix (now: torch.promote_types → {_name(target)})"
+        return Finding("dtype", mix, fix, _cast_all(floats, target, "promote"), True, "rule: no model running, torch.promote_types")
     if kind == "attention":
         query = next((o for o in floats if o.role == "query"), floats[0])
         actions = _cast_all(floats, query.dtype)
-        return Finding("dtype", mix, f"make key/value/mask {_name(query.dtype)} like the query", actions, True)
-    # linear, conv, norm: parameters against activations
-    inp = next((o for o in floats if o.role == "input"), None)
-    weight = next((o for o in floats if o.role == "weight"), None)
+        return Finding("dtype", mix, f"make key/value/mask {_name(query.dtype)} like the query", actions, True, "rule: the query wins")
+    # linear, conv, norm with no model running: parameters against activations
     if inp is None:
         return Finding("dtype", mix, "give weight and bias one dtype", (), True)
-    if keep and weight is not None:
-        target = weight.dtype
-        actions = _cast_all(floats, target, "upcast" if target.itemsize > inp.dtype.itemsize else "cast")
-        fix = f"this module is kept in {_name(target)} on purpose; its input is cast to {_name(target)}"
-        return Finding("dtype", mix, fix, actions, True)
     target = inp.dtype
     actions = _cast_all(floats, target)
     params = ", ".join(a.operand for a in actions)
     fix = f"cast the module once with module.to(torch.{_name(target)}) (or use torchfix.wrap(pipe), which does it after the first call)"
-    note = f"per-call cast of {params}: costs a copy every call until the module is cast once"
+    note = f"rule: no model running, the input's dtype wins; per-call cast of {params}: a copy every call until the module is cast once"
+    return Finding("dtype", mix, fix, actions, True, note)
+
+
+_PARAM_KINDS = ("linear", "conv", "norm")
+
+
+def _is_param(o: Operand) -> bool:
+    return o.param or o.role in ("weight", "bias")
+
+
+def _verb(floats: Sequence[Operand], target: torch.dtype) -> str:
+    """``upcast`` where an activation is cast to a wider dtype (an fp32 VAE's fp16 latents), else ``cast``."""
+    return "upcast" if any(not _is_param(o) and o.dtype != target and o.dtype.itemsize < target.itemsize for o in floats) else "cast"
+
+
+def _model_wins(floats: Sequence[Operand], mix: str, target: torch.dtype, model: str) -> Finding:
+    """The model's own dtype wins: stray inputs and stray parameters alike are cast to it."""
+    actions = _cast_all(floats, target, _verb(floats, target))
+    stray = [a.operand for a in actions]
+    inputs = [o.name for o in floats if o.name in stray and not _is_param(o)]
+    dt = _name(target)
+    if inputs and len(inputs) == len(stray):
+        fix = f"{model} runs in {dt}: cast {', '.join(inputs)} to torch.{dt} before calling it"
+        note = f"rule: the model's own dtype ({dt}, {model}) wins; the stray input is cast once, every later layer runs in {dt}"
+    else:
+        fix = (
+            f"cast the module that owns {', '.join(stray)} once with module.to(torch.{dt}) "
+            "(or use torchfix.wrap(pipe), which does it after the first call)"
+        )
+        note = f"rule: the model's own dtype ({dt}, {model}) wins; per-call cast of {', '.join(stray)} until the module is cast once"
     return Finding("dtype", mix, fix, actions, True, note)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import _frames, _kept
+from .. import _frames, _kept, _model
 from ..config import Settings
 from ..errors import DeviceMismatchError, DtypeMismatchError, LayoutError, TorchfixError
 from ..guards import decide as decide_mod
@@ -34,6 +34,7 @@ log = logging.getLogger("torchfix")
 
 _ERRORS: dict[str, type[TorchfixError]] = {"dtype": DtypeMismatchError, "device": DeviceMismatchError, "stride": LayoutError}
 _PARAM_KINDS = ("linear", "conv", "norm")
+_OWNED_KINDS = (*_PARAM_KINDS, "matmul", "attention")
 
 
 # Constant in its arguments: cached in eager, and evaluated once at trace time
@@ -43,6 +44,15 @@ _PARAM_KINDS = ("linear", "conv", "norm")
 @kernel.constant
 def _decide(*key: Any) -> tuple[Finding, ...]:
     return decide_mod.decide(*key)
+
+
+@kernel.constant
+def _traced_owner() -> tuple[torch.dtype | None, str]:
+    """The model's dtype while torch.compile traces: called for real at trace time, when the frames
+    of the modules that run the compiled code (an ``OptimizedModule`` holding the model, or the
+    model's own ``__call__`` around a compiled submodule) are real frames. A change of the
+    parameters' dtypes recompiles (dynamo guards on them), so the answer is never stale."""
+    return _model.owner_dtype(_frames.module_chain(1))
 
 
 @kernel.constant
@@ -108,19 +118,22 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
         requested_dtype(spec, settings, kwargs),
         autocast_dtype(first.device.type),
         False,
+        None,
+        "",
     )
     findings = list(_decide(*key))
-    # Who owns the operands (a kept module, parameters) matters only for a mix torch rejects:
-    # the frame walk is paid only then, never for a mix torch accepts.
-    if spec.kind in (*_PARAM_KINDS, "matmul") and any(f.guard == "dtype" and f.torch_raises for f in findings):
+    # Who owns the operands (the model, a kept module, parameters) matters only for a mix torch
+    # rejects: the frame walk is paid only then, never for a mix torch accepts.
+    if spec.kind in _OWNED_KINDS and any(f.guard == "dtype" and f.torch_raises for f in findings):
         if not compiling:
             chain = _frames.module_chain(1)
         # Marks on the tensors (torchfix._kept) answer while compiling too; eagerly the frames are asked as well.
-        keep = spec.kind != "matmul" and _kept.is_kept(tensors.get("weight"), chain)
+        keep = spec.kind in _PARAM_KINDS and _kept.is_kept(tensors.get("weight"), chain)
         params = frozenset(n for n, t in tensors.items() if _kept.is_owned(t, chain)) if spec.kind == "matmul" else frozenset()
-        if keep or params:
+        model = (None, "") if keep else _traced_owner() if compiling else _model.owner_dtype(chain or [])
+        if keep or params or model[0] is not None:
             signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params, *s[5:]) for (n, t), s in zip(tensors.items(), key[2]))
-            key = (*key[:2], signature, *key[3:8], keep)
+            key = (*key[:2], signature, *key[3:8], keep, *model)
             findings = list(_decide(*key))
     rows = ki.in_force(spec.family, first.device.type) if settings.stride_on else ()
     if rows:  # known-issue rows apply compiled as eagerly: their predicates are plain metadata reads
@@ -167,12 +180,16 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
             fn = stride_post(finding, before)
             if fn is not None:
                 post.append(fn)
+        fresh = finding.guard != "dtype"
         for action in finding.actions:
             if action.operand == "out":
                 post.append(take_out(bound))
+                fresh = True
             else:
-                apply(bound, action)
-        if not compiling:
+                fresh = apply(bound, action, memo=not compiling) or fresh
+        # A stray input that later layers meet again (encoder_hidden_states in every cross-attention)
+        # was cast once: it is one event, not one per layer.
+        if not compiling and fresh:
             if chain is None:
                 chain = _frames.module_chain(1)
             record(spec, settings, finding, before, _frames.call_site(1), _frames.module_path(chain))

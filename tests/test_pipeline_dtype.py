@@ -1,0 +1,181 @@
+"""torchfix.wrap and the model's own dtype: components in different dtypes, hand-overs between
+them, a VAE kept in fp32, a non-finite fp16 decode, and sizes a transformer pipeline cannot patch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchfix
+
+pytest.importorskip("diffusers")
+
+from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+from torchfix.testing import latents, tiny_flux_pipeline, tiny_sd15_pipeline, tiny_sd3_pipeline, tiny_vae
+
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def tensors(module):
+    return {n: (t.dtype, t.data_ptr()) for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def controlnet_pipeline(controlnet_dtype, dtype=bf16):
+    pipe = tiny_sd15_pipeline()
+    torch.manual_seed(1)
+    controlnet = ControlNetModel.from_unet(pipe.unet, conditioning_embedding_out_channels=(4, 8, 8, 16))
+    pipe = StableDiffusionControlNetPipeline(**pipe.components, controlnet=controlnet, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(dtype)
+    pipe.controlnet.to(controlnet_dtype)
+    return pipe
+
+
+def run_controlnet(pipe, steps=3):
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    return latents(pipe, steps=steps, image=image)
+
+
+def test_a_controlnet_in_another_dtype_leaves_every_component_in_its_own():
+    pipe = controlnet_pipeline(f16)
+    with pytest.raises(RuntimeError):
+        run_controlnet(pipe)  # plain torch: the fp16 residuals promote the bf16 UNet's activations to fp32
+    unet, controlnet = tensors(pipe.unet), tensors(pipe.controlnet)
+    w = torchfix.wrap(pipe)
+    out = run_controlnet(w)
+    again = run_controlnet(w)
+    assert tensors(pipe.unet) == unet and tensors(pipe.controlnet) == controlnet and w.kept_bytes == 0  # nothing cast for good
+    assert out.dtype == bf16 and torch.equal(out, again)
+    reference = run_controlnet(controlnet_pipeline(bf16))  # the maintainers' fix: controlnet.to(torch.bfloat16)
+    assert rel_l2(out, reference) < 0.02
+    handovers = [e for e in torchfix.report().events if e.op == "torchfix.wrap" and "ControlNet residual" in e.detail]
+    assert len(handovers) == 6 and all(e.module == "unet" and "float16 handed to unet (bfloat16)" in e.detail for e in handovers)
+    assert not any(e.module and e.module.startswith("unet.") for e in torchfix.report().events)  # the UNet itself ran natively
+    info = [f for f in w.findings if f.component == "controlnet"]
+    assert info and info[0].advisory and "controlnet is float16, unet is bfloat16" in info[0].problem
+    w.unwrap()
+    assert not pipe.unet._forward_pre_hooks  # the hand-over hook lived for the wrapped calls only
+
+
+def test_an_fp16_controlnet_beside_an_fp32_unet_hands_over_without_a_cast():
+    pipe = controlnet_pipeline(f16, dtype=f32)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        run_controlnet(pipe)  # plain: the fp32 latents meet the fp16 ControlNet
+    unet, controlnet = tensors(pipe.unet), tensors(pipe.controlnet)
+    out = run_controlnet(torchfix.wrap(pipe))
+    assert tensors(pipe.unet) == unet and tensors(pipe.controlnet) == controlnet
+    assert out.dtype == f32 and rel_l2(out, run_controlnet(controlnet_pipeline(f32, dtype=f32))) < 0.02
+    events = torchfix.report().events
+    assert not [e for e in events if e.op == "torchfix.wrap"]  # fp32 + fp16 residuals promote to fp32: torch's own sum, kept
+    assert all(e.module.startswith("controlnet.") and "input float32→float16" in e.detail for e in events if e.action != "noted")
+
+
+def test_a_flux_pipeline_with_an_fp32_t5_keeps_its_transformer_bf16():
+    pipe = tiny_flux_pipeline().to(bf16)
+    pipe.text_encoder_2.float()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        latents(pipe, steps=2)
+    before = tensors(pipe.transformer)
+    w = torchfix.wrap(pipe)
+    out = latents(w, steps=2)
+    assert tensors(pipe.transformer) == before and w.kept_bytes == 0
+    # the maintainers' fix: the T5 output cast to the transformer's dtype
+    embeds, pooled, _ = pipe.encode_prompt("a cat", "a cat")
+    reference = latents(pipe, None, steps=2, prompt_embeds=embeds.to(bf16), pooled_prompt_embeds=pooled)
+    assert rel_l2(out, reference) < 0.02
+    fixes = [e for e in torchfix.report().events if e.action != "noted"]
+    assert fixes and all(e.module.startswith("transformer.") and "input float32→bfloat16" in e.detail for e in fixes)
+    assert len(fixes) <= 2 * 2  # latents and embeddings, once each per step: never once per layer
+
+
+def fp16_pipeline_with_vae(vae_dtype, scale=2e5):
+    pipe = tiny_sd15_pipeline().to(f16)
+    vae = tiny_vae()
+    with torch.no_grad():
+        vae.decoder.conv_in.weight.mul_(scale)  # decoder activations beyond fp16's range (why SDXL's VAE is kept fp32)
+    pipe.vae = vae.to(vae_dtype)
+    return pipe
+
+
+def decode_reference(pipe, lat):
+    image = pipe.vae.float().decode(lat.float() / pipe.vae.config.scaling_factor).sample
+    return pipe.image_processor.postprocess(image, output_type="pt")
+
+
+def run_image(pipe, steps=2):
+    return pipe("a cat", num_inference_steps=steps, height=64, width=64, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+
+
+def test_an_fp32_vae_in_an_fp16_pipeline_stays_fp32_and_decodes_finite():
+    pipe = fp16_pipeline_with_vae(f32)
+    vae = tensors(pipe.vae)
+    w = torchfix.wrap(pipe)
+    lat = latents(w, steps=2)
+    image = run_image(w)
+    assert tensors(pipe.vae) == vae and w.kept_bytes == 0  # a VAE kept in fp32 is never cast down
+    assert torch.isfinite(image).all()
+    assert (image - decode_reference(pipe, lat)).abs().max() <= 1e-3  # the latents cast up, as diffusers does
+    (ev,) = [e for e in torchfix.report().events if e.module and e.module.startswith("vae")]
+    assert ev.action == "upcast" and ev.module == "vae.post_quant_conv"
+
+
+def test_a_non_finite_fp16_decode_is_re_run_in_fp32_and_reported():
+    pipe = fp16_pipeline_with_vae(f16)
+    assert not torch.isfinite(run_image(pipe)).all()  # plain: a black (NaN) image
+    vae = tensors(pipe.vae)
+    w = torchfix.wrap(pipe, mode="warn")
+    lat = latents(w, steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        image = run_image(w)
+    assert torch.isfinite(image).all() and tensors(pipe.vae) == vae
+    reference = decode_reference(fp16_pipeline_with_vae(f16), lat)
+    assert (image - reference).abs().max() <= 2e-3  # fp32 decode, returned in fp16
+    (ev,) = [e for e in torchfix.report().events if e.module == "vae.decoder"]
+    assert ev.action == "upcast" and "NaN/inf" in ev.detail and "re-ran in float32" in ev.detail
+    assert any("vae.decoder" in str(c.message) for c in caught if issubclass(c.category, torchfix.TorchfixWarning))
+    w.unwrap()
+    assert not pipe.vae.decoder._forward_hooks
+    with pytest.raises(torchfix.NonFiniteError, match=r"vae\.decoder in float16 produced NaN/inf"):
+        run_image(torchfix.wrap(pipe, mode="strict"))
+
+
+def test_a_finite_decode_is_not_touched():
+    pipe = tiny_sd15_pipeline().to(f16)
+    plain = run_image(pipe)
+    assert torch.equal(run_image(torchfix.wrap(pipe)), plain)
+    assert not torchfix.report().events
+
+
+def test_a_stray_fp16_layer_in_an_fp32_component_is_never_cast_up_for_good():
+    pipe = tiny_sd15_pipeline()
+    norm = pipe.text_encoder.final_layer_norm.half()
+    plain_dtype = norm.weight.dtype
+    w = torchfix.wrap(pipe)
+    first = latents(w, steps=2)
+    assert torch.equal(latents(w, steps=2), first)
+    assert norm.weight.dtype == plain_dtype == f16 and w.kept_bytes == 0  # per-call casts only: an upcast would grow memory
+    assert any(e.module == "text_encoder.final_layer_norm" for e in torchfix.report().events)
+
+
+def test_an_sd3_controlnet_size_that_does_not_patch_is_refused_before_anything_runs():
+    from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline
+
+    base = tiny_sd3_pipeline(layers=2)
+    torch.manual_seed(2)
+    controlnet = SD3ControlNetModel.from_transformer(base.transformer, num_layers=1, num_extra_conditioning_channels=0)
+    pipe = StableDiffusion3ControlNetPipeline(**base.components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    control = torch.rand(1, 3, 72, 64)
+    with pytest.raises(RuntimeError, match="must match the size"):  # plain: deep inside the transformer
+        latents(pipe, size=(72, 64), steps=1, control_image=control)
+    with pytest.raises(ValueError, match=r"height=72 \(use 64 or 80\) is not a multiple of 16 \(vae_scale_factor 8 × patch 2\)"):
+        latents(torchfix.wrap(pipe), size=(72, 64), steps=1, control_image=control)
+    latents(torchfix.wrap(pipe), size=(64, 64), steps=1, control_image=torch.rand(1, 3, 64, 64))  # a valid size runs
