@@ -14,7 +14,7 @@ pytest.importorskip("diffusers")
 
 from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
 
-from torchfix.testing import latents, tiny_flux_pipeline, tiny_sd15_pipeline, tiny_sd3_pipeline, tiny_vae
+from torchfix.testing import latents, tiny_flux_pipeline, tiny_sd3_pipeline, tiny_sd15_pipeline, tiny_vae
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -110,7 +110,8 @@ def decode_reference(pipe, lat):
 
 
 def run_image(pipe, steps=2):
-    return pipe("a cat", num_inference_steps=steps, height=64, width=64, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a cat", num_inference_steps=steps, height=64, width=64, output_type="pt", generator=generator).images
 
 
 def test_an_fp32_vae_in_an_fp16_pipeline_stays_fp32_and_decodes_finite():

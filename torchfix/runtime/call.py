@@ -24,7 +24,7 @@ from ..guards.messages import compiled_error_message, error_message
 from ..guards.ops import OpSpec
 from ..guards.plan import Finding
 from . import kernel
-from .apply import apply, stride_post
+from .apply import apply, reuse_cast, stride_post
 from .binding import Bound, autocast_dtype, requested_dtype, take_out, with_out
 from .record import note, observe, record
 
@@ -127,6 +127,16 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
     if spec.kind in _OWNED_KINDS and any(f.guard == "dtype" and f.torch_raises for f in findings):
         if not compiling:
             chain = _frames.module_chain(1)
+            # A stray activation this model's run already cast (the text embeddings at every
+            # cross-attention after the first): the same decision, without asking again.
+            if (
+                chain
+                and settings.mode != "strict"
+                and all(f.guard == "dtype" for f in findings)
+                and not (settings.stride_on and ki.in_force(spec.family, first.device.type))
+                and reuse_cast(bound, chain[-1])
+            ):
+                return orig(*bound.args, **bound.kwargs)
         # Marks on the tensors (torchfix._kept) answer while compiling too; eagerly the frames are asked as well.
         keep = spec.kind in _PARAM_KINDS and _kept.is_kept(tensors.get("weight"), chain)
         params = frozenset(n for n, t in tensors.items() if _kept.is_owned(t, chain)) if spec.kind == "matmul" else frozenset()
@@ -186,7 +196,7 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
                 post.append(take_out(bound))
                 fresh = True
             else:
-                fresh = apply(bound, action, memo=not compiling) or fresh
+                fresh = apply(bound, action, None if compiling or not chain else chain[-1]) or fresh
         # A stray input that later layers meet again (encoder_hidden_states in every cross-attention)
         # was cast once: it is one event, not one per layer.
         if not compiling and fresh:
