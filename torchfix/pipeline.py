@@ -13,6 +13,8 @@ it was made for.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -28,6 +30,7 @@ from ._text import dtype_name as _dt
 from .config import Settings
 from .deepcache import DeepCacheConfig, UnsupportedUNetError
 from .deepcache import check as deepcache_check
+from .deepcache.streams import scoped as deepcache_scope
 from .devices import canonical, unusable_reason
 from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, NonFiniteError, TorchfixWarning
 from .guards import dtype as dtype_guard
@@ -244,6 +247,15 @@ def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
     )
 
 
+def _returning_proxy(proxy: Any, method: Any) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        return proxy if result is proxy.__wrapped__ else result
+
+    return call
+
+
 class PipelineProxy(wrapt.ObjectProxy):
     """A diffusers pipeline with torchfix around every call. ``isinstance`` still holds;
     attributes and methods pass through; the pipeline class is never modified."""
@@ -263,6 +275,17 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._self_cached_unet: torch.nn.Module | None = None
         self._self_swaps: list[TensorHandle] = []  # every tensor wrap replaced, with its original
         self._self_learned = False  # the first call since the last preflight has told which parameters to cast
+        self._self_scope = object()  # DeepCache applied by this wrapper caches only inside its calls
+
+    def __getattr__(self, name: str) -> Any:
+        # wrapt forwards every other attribute; a method of the pipeline that returns the pipeline itself
+        # (``pipe.to("cuda")``) returns this wrapper instead, so ``torchfix.wrap(pipe).to(...)`` keeps it.
+        if name == "__wrapped__":
+            raise ValueError("wrapper has not been initialised")
+        value = getattr(self.__wrapped__, name)
+        if inspect.ismethod(value) and value.__self__ is self.__wrapped__:
+            return _returning_proxy(self, value)
+        return value
 
     # --- preflight -------------------------------------------------------------------------
 
@@ -400,7 +423,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         if self._self_deepcache is not None and unet is not self._self_cached_unet:
             if self._self_cached_unet is not None:
                 deepcache.remove(self._self_cached_unet)
-            deepcache.apply(self.__wrapped__, self._self_deepcache)
+            deepcache.apply(self.__wrapped__, self._self_deepcache, scope=self._self_scope)
             self._self_cached_unet = unet
         if self._self_cached_unet is not None:
             deepcache.new_call(self._self_cached_unet)
@@ -418,7 +441,8 @@ class PipelineProxy(wrapt.ObjectProxy):
         mode = self._mode()
         if mode == "off":  # straight through: no preflight, no guards (a DeepCache the caller asked for still runs)
             self._sync_deepcache()
-            return self.__wrapped__(*args, **kwargs)
+            with deepcache_scope(self._self_scope):
+                return self.__wrapped__(*args, **kwargs)
         self._sync_state()
         self._raise_on_findings()
         self._check_call(kwargs)
@@ -427,7 +451,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         token = _context.param_casts.set(learn)
         hooks = self._call_hooks(mode)
         try:
-            with enabled(
+            with deepcache_scope(self._self_scope), enabled(
                 mode=None if s is None else s.mode,
                 guards=None if s is None else tuple(s.guards),
                 dtype=self._self_dtype,

@@ -48,6 +48,8 @@ class _Stream:
     prompt: Any  # held, so the id it is keyed by stays unique
     step: int = 0
     feature: torch.Tensor | None = None
+    full: int = 0
+    cached: int = 0
 
 
 @dataclass
@@ -73,6 +75,11 @@ class DeepCacheState:
     full_steps: int = 0
     cached_steps: int = 0
     generations: int = 0
+    scope: object | None = None  # torchfix.wrap's token: cache only inside its pipeline's calls
+    pipe: Any = None  # weakref to the pipeline applied to (its scheduler is followed)
+    scheduler: Any = None  # weakref to the scheduler whose set_timesteps is hooked
+    scheduler_hook: Any = None
+    reinstalls: int = 0
 
     @property
     def feature(self) -> torch.Tensor | None:
@@ -99,14 +106,21 @@ class DeepCacheState:
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState | TransformerCacheState] = weakref.WeakKeyDictionary()
 
 
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile``'d ``OptimizedModule`` runs (DeepCache lives on it), else ``model``."""
+    inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def _resolve(target: Any) -> tuple[torch.nn.Module, Any]:
-    """The denoiser (a pipeline's ``unet`` or ``transformer``, or the model itself) and the pipeline."""
+    """The denoiser (a pipeline's ``unet`` or ``transformer``, or the model itself; through
+    ``torch.compile``'s wrapper, in either order) and the pipeline."""
     for attr in ("unet", "transformer"):
         model = getattr(target, attr, None)
         if isinstance(model, torch.nn.Module):
-            return model, target
+            return _compiled(model), target
     if isinstance(target, torch.nn.Module):
-        return target, None
+        return _compiled(target), None
     raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline, its UNet or its transformer, got {type(target).__name__}.")
 
 
@@ -141,26 +155,43 @@ def state_of(target: Any) -> DeepCacheState | TransformerCacheState | None:
 
 
 def new_call(target: Any) -> None:
-    """Start a new generation: the next UNet call is a full step and the cache is dropped.
+    """Start a new generation: the next UNet call is a full step and the cache is dropped; DeepCache's
+    forward is put back if another hook replaced it since.
 
     Pipelines do this themselves (through their scheduler); call it when you drive a bare UNet.
     """
     state = state_of(target)
     if state is not None:
+        streams.ensure_installed(state)
         state.reset()
 
 
 def stats(target: Any) -> dict[str, Any]:
-    """Counts and memory: full and cached steps so far, generations, bytes held by the cache (and, for a
-    transformer, the guidance streams of the current generation and which blocks are cached)."""
+    """What DeepCache is doing, as it is, not as it was installed.
+
+    ``applied``: it runs on the next call (its forward is reached, or it is put back when the next
+    pipeline call starts); ``in_call_path``: calling the model reaches it right now; ``last_call``:
+    full and cached steps of the current (or last) generation, in all and per stream; totals since
+    ``apply``; ``reinstalls``: how often another hook had replaced its forward; ``scoped``: it caches
+    only inside ``torchfix.wrap``'s calls; bytes held; for a transformer the streams and cached blocks.
+
+    >>> import torchfix
+    >>> torchfix.deepcache.stats(torchfix.testing.tiny_sd15_unet())
+    {'applied': False}
+    """
     state = state_of(target)
     if state is None:
         return {"applied": False}
+    reached = streams.in_call_path(state)
     out = {
-        "applied": True,
+        "applied": reached or state.pipe is not None or state.scope is not None,
+        "in_call_path": reached,
+        "scoped": state.scope is not None,
+        "last_call": streams.last_call(state),
         "full_steps": state.full_steps,
         "cached_steps": state.cached_steps,
         "generations": state.generations,
+        "reinstalls": state.reinstalls,
         "cache_bytes": state.cache_bytes,
     }
     if isinstance(state, TransformerCacheState):
@@ -172,8 +203,12 @@ def stats(target: Any) -> dict[str, Any]:
 
 
 @_outside_graphs
-def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool:
-    """True for a full step. Kept out of compiled graphs: it is Python state, not tensor math."""
+def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: dict[str, Any]) -> bool | None:
+    """True for a full step, False for a cached one, None to run the UNet untouched (outside the scope of
+    ``torchfix.wrap``'s call). Kept out of compiled graphs: it is Python state, not tensor math."""
+    if not streams.engaged(state):
+        return None
+    streams.follow_scheduler(state)
     stream = streams.enter(state, sample, prompt, _Stream)
     index = stream.step
     stream.step += 1
@@ -184,9 +219,11 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
         full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
     if full:
         state.full_steps += 1
+        stream.full += 1
         state.capturing = True
     else:
         state.cached_steps += 1
+        stream.cached += 1
     return full
 
 
@@ -228,7 +265,10 @@ def _make_forward(unet: torch.nn.Module, state: DeepCacheState) -> Any:
             bound = sig.bind(*args, **kwargs)
             arguments = bound.arguments
             sample = arguments["sample"]
-            if _decide(state, sample, arguments.get("encoder_hidden_states"), arguments):
+            full = _decide(state, sample, arguments.get("encoder_hidden_states"), arguments)
+            if full is None:
+                return original(*args, **kwargs)
+            if full:
                 try:
                     return original(*args, **kwargs)
                 finally:
@@ -242,34 +282,21 @@ def _make_forward(unet: torch.nn.Module, state: DeepCacheState) -> Any:
     return make
 
 
-def _install_scheduler_hook(pipe: Any, unet: torch.nn.Module) -> list[Any]:
-    scheduler = getattr(pipe, "scheduler", None)
-    set_timesteps = getattr(scheduler, "set_timesteps", None)
-    if not callable(set_timesteps):
-        return []
-    unet_ref = weakref.ref(unet)
-
-    @functools.wraps(set_timesteps)
-    def hooked(*args: Any, **kwargs: Any) -> Any:
-        result = set_timesteps(*args, **kwargs)
-        state = _STATES.get(unet_ref()) if unet_ref() is not None else None
-        if state is not None:
-            state.reset()
-            timesteps = getattr(scheduler, "timesteps", None)
-            state.total = len(timesteps) if timesteps is not None else None
-        return result
-
-    return [instance.set_attr(scheduler, "set_timesteps", hooked)]
-
-
-def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState | TransformerCacheState:
+def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object | None = None) -> DeepCacheState | TransformerCacheState:
     """Apply DeepCache to a diffusers pipeline, its ``UNet2DConditionModel`` or its SD3/Flux transformer.
 
     Applying again replaces the previous application (never a wrapper over a wrapper).
 
+    The state follows the model through ``torch.compile`` (either order), is put back at each
+    pipeline call if another hook (accelerate's offload) replaced its forward, and takes its step
+    count from the scheduler the pipeline uses at call time (a swapped scheduler included).
+
     Args:
         target: a pipeline with a ``unet`` or a ``transformer``, or the model itself.
         config: a :class:`DeepCacheConfig` (default: interval 3, branch 0, uniform).
+        scope: cache only while :func:`torchfix.deepcache.streams.scoped` with this token runs
+            (``torchfix.wrap`` passes its own, so other pipelines sharing the model run it untouched);
+            ``None`` (the default): model-wide.
 
     >>> import torchfix
     >>> from torchfix.testing import tiny_sd15_pipeline
@@ -285,11 +312,11 @@ def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState 
         remove(unet)
     if isinstance(layout, TransformerLayout):
         tstate = apply_transformer(unet, config, layout)
-        if pipe is not None:
-            tstate.handles.extend(_install_scheduler_hook(pipe, unet))
+        tstate.scope = scope
+        streams.follow_scheduler(tstate, pipe)
         _STATES[unet] = tstate
         return tstate
-    state = DeepCacheState(config, layout, unet.forward)
+    state = DeepCacheState(config, layout, unet.forward, scope=scope)
     state_ref = weakref.ref(state)
     i, j = layout.consumers[config.branch]
     up = unet.up_blocks[i]
@@ -299,8 +326,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None) -> DeepCacheState 
         producer = up.attentions[j - 1] if getattr(up, "attentions", None) is not None else up.resnets[j - 1]
         state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False)))
     state.handles.append(instance.wrap_forward(unet, HOOK_NAME, _make_forward(unet, state), reset=state.reset))
-    if pipe is not None:
-        state.handles.extend(_install_scheduler_hook(pipe, unet))
+    streams.follow_scheduler(state, pipe)
     _STATES[unet] = state
     log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(unet).__name__, layout.describe(config.branch), config.interval)
     return state
@@ -315,4 +341,7 @@ def remove(target: Any) -> None:
     for handle in reversed(state.handles):
         handle.restore()
     state.handles.clear()
+    if state.scheduler_hook is not None:
+        state.scheduler_hook.restore()
+        state.scheduler_hook = None
     state.reset()

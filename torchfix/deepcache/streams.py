@@ -8,11 +8,40 @@ dtype and device.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import logging
+import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
 import torch
 
-__all__ = ["MAX_STREAMS", "enter"]
+from ..patches import instance
+
+__all__ = ["MAX_STREAMS", "engaged", "ensure_installed", "enter", "follow_scheduler", "in_call_path", "last_call", "scoped"]
+
+log = logging.getLogger("torchfix")
+
+# The scope of the pipeline call in progress: a DeepCache applied by torchfix.wrap caches only
+# while its own wrapped pipeline's call runs (any other pipeline sharing the UNet runs it untouched).
+_SCOPE: contextvars.ContextVar[object | None] = contextvars.ContextVar("torchfix_deepcache_scope", default=None)
+
+
+@contextlib.contextmanager
+def scoped(token: object) -> Iterator[None]:
+    """DeepCache states applied with ``scope=token`` cache inside this block (``torchfix.wrap``'s calls)."""
+    reset = _SCOPE.set(token)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(reset)
+
+
+def engaged(state: Any) -> bool:
+    """Whether this call caches: always for a model-wide ``apply``, only inside its scope for ``wrap``'s."""
+    return state.scope is None or _SCOPE.get() is state.scope
 
 # Streams kept per generation before it is treated as a new one.
 MAX_STREAMS = 4
@@ -21,6 +50,8 @@ MAX_STREAMS = 4
 class _HasPrompt(Protocol):
     prompt: Any
     step: int
+    full: int
+    cached: int
 
 
 S = TypeVar("S", bound=_HasPrompt)
@@ -42,3 +73,76 @@ def enter(state: Any, latents: torch.Tensor, prompt: Any, new_stream: type[S]) -
         stream = state.streams[id(prompt)] = new_stream(prompt)
     state.current = stream
     return stream
+
+
+def last_call(state: Any) -> dict[str, Any]:
+    """What the current (or last) generation did: full and cached steps, in all and per stream."""
+    per = [{"full_steps": st.full, "cached_steps": st.cached} for st in state.streams.values()]
+    return {
+        "full_steps": sum(p["full_steps"] for p in per),
+        "cached_steps": sum(p["cached_steps"] for p in per),
+        "streams": per,
+    }
+
+
+def in_call_path(state: Any) -> bool:
+    """Whether every forward DeepCache installed is still reached when the model is called."""
+    return all(h.in_path() for h in state.handles if isinstance(h, instance.ForwardHandle))
+
+
+def ensure_installed(state: Any) -> int:
+    """Put back each of DeepCache's forwards that a call no longer reaches (accelerate's offload hooks,
+    re-installed by diffusers' ``maybe_free_model_hooks`` after every call, restore the forward they
+    saved before DeepCache went in). Returns how many it put back."""
+    n = sum(h.ensure() for h in state.handles if isinstance(h, instance.ForwardHandle))
+    if n:
+        state.reinstalls += n
+        log.debug("torchfix.deepcache: %d forward(s) re-installed (another hook had replaced them)", n)
+    return n
+
+
+def _hook_scheduler(state: Any, scheduler: Any) -> None:
+    """Reset the state whenever ``scheduler`` sets its timesteps (a pipeline call starts), with the step
+    count it set; re-install DeepCache's forwards if another hook replaced them since the last call."""
+    if state.scheduler_hook is not None:
+        state.scheduler_hook.restore()
+        state.scheduler_hook = None
+    set_timesteps = getattr(scheduler, "set_timesteps", None)
+    state.scheduler = None if scheduler is None else weakref.ref(scheduler)
+    if not callable(set_timesteps):
+        return
+    state_ref = weakref.ref(state)
+
+    @functools.wraps(set_timesteps)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        result = set_timesteps(*args, **kwargs)
+        live = state_ref()
+        if live is not None:
+            live.reset()
+            timesteps = getattr(scheduler, "timesteps", None)
+            live.total = len(timesteps) if timesteps is not None else None
+            ensure_installed(live)
+        return result
+
+    state.scheduler_hook = instance.set_attr(scheduler, "set_timesteps", hooked)
+
+
+def follow_scheduler(state: Any, pipe: Any = None) -> None:
+    """Track the scheduler the pipeline uses *now*: hook it at ``apply``, and when the pipeline's
+    scheduler was swapped since (``pipe.scheduler = DPMSolver...``), start a new generation with the
+    new scheduler's step count and move the hook to it. Called at apply and at every denoiser call."""
+    if pipe is not None:
+        state.pipe = weakref.ref(pipe)
+    live = None if state.pipe is None else state.pipe()
+    if live is None:
+        return
+    scheduler = getattr(live, "scheduler", None)
+    current = None if state.scheduler is None else state.scheduler()
+    if scheduler is current and state.scheduler is not None:
+        return
+    swapped = state.scheduler is not None
+    _hook_scheduler(state, scheduler)
+    if swapped:  # this call's timesteps are already set on the new scheduler: a new generation
+        state.reset()
+        timesteps = getattr(scheduler, "timesteps", None)
+        state.total = len(timesteps) if timesteps is not None else None

@@ -105,6 +105,8 @@ class _Stream:
     prompt: Any  # the encoder_hidden_states object this stream is keyed by (held, so its id stays unique)
     step: int = 0
     residual: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (text, image) added by the cached blocks
+    full: int = 0
+    cached: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +135,11 @@ class TransformerCacheState:
     cached_steps: int = 0
     generations: int = 0
     last_streams: int = 0  # streams of the current (or last) generation; kept when the cache is freed
+    scope: object | None = None  # torchfix.wrap's token: cache only inside its pipeline's calls
+    pipe: Any = None  # weakref to the pipeline applied to (its scheduler is followed)
+    scheduler: Any = None  # weakref to the scheduler whose set_timesteps is hooked
+    scheduler_hook: Any = None
+    reinstalls: int = 0
 
     @property
     def cache_bytes(self) -> int:
@@ -150,7 +157,12 @@ class TransformerCacheState:
 
 @outside_graphs
 def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arguments: dict[str, Any]) -> None:
-    """Pick the stream and whether this call is full. Kept out of compiled graphs: it is Python state."""
+    """Pick the stream and whether this call is full (``mode`` "off" outside the scope of ``torchfix.wrap``'s
+    call: the blocks run untouched). Kept out of compiled graphs: it is Python state."""
+    if not streams.engaged(state):
+        state.mode = "off"
+        return
+    streams.follow_scheduler(state)
     stream = streams.enter(state, hidden, prompt, _Stream)
     state.last_streams = len(state.streams)
     index = stream.step
@@ -166,8 +178,10 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     state.mode = "cached" if not full else ("full" if keep else "off")
     if full:
         state.full_steps += 1
+        stream.full += 1
     else:
         state.cached_steps += 1
+        stream.cached += 1
 
 
 def _block_forward(state_ref: weakref.ref[TransformerCacheState], first: bool, last: bool) -> Any:

@@ -93,14 +93,55 @@ def _hook_registry() -> Any:
 
 @dataclass
 class ForwardHandle:
-    """A ``forward`` replaced by :func:`wrap_forward`; ``restore()`` takes it out of the chain."""
+    """A ``forward`` replaced by :func:`wrap_forward`; ``restore()`` takes it out of the chain.
+
+    Another library may re-install the ``forward`` it saved before ours went in: accelerate's
+    ``remove_hook_from_module`` (which diffusers' ``maybe_free_model_hooks`` runs after every
+    offloaded pipeline call) sets ``module.forward = module._old_forward``. :meth:`in_path` says
+    whether a call of the module still reaches ours, and :meth:`ensure` puts it back on top.
+    """
 
     module: torch.nn.Module
     name: str
+    make: Callable[[Forward, Forward], Forward] = field(repr=False)
+    reset: Callable[[], None] | None = field(default=None, repr=False)
     attr: AttrHandle | None = None  # the plain path (no diffusers HookRegistry)
     created_registry: bool = False
     had_forward: bool = False
+    installed: Any = field(default=None, repr=False)  # what module.forward was right after ours went in
+    reinstalls: int = 0
     active: bool = True
+
+    def in_path(self) -> bool:
+        """Whether calling the module runs our forward: it is ``module.forward``, or what that wraps."""
+        f = vars(self.module).get("forward")
+        for _ in range(64):  # update_wrapper's __wrapped__ links: diffusers' registry, accelerate's hooks
+            if f is None:
+                return False
+            if f is self.installed:
+                return True
+            f = getattr(f, "__wrapped__", None)
+        return False
+
+    def ensure(self) -> bool:
+        """Put ours back on top of whatever ``forward`` the module has now, if a call no longer reaches it.
+        Returns whether it had to."""
+        if not self.active or self.in_path():
+            return False
+        registry = getattr(self.module, "_diffusers_hook", None)
+        if self.attr is None and registry is not None and self.name in registry.hooks:
+            # Drop our stale entry without touching module.forward (diffusers' remove_hook would
+            # put back the forward we wrapped, which is the one that was replaced), then register anew.
+            index = registry._hook_order.index(self.name)
+            del registry.hooks[self.name]
+            registry._hook_order.pop(index)
+            registry._fn_refs.pop(index)
+            _register(self.module, self.name, self.make, self.reset)
+        else:
+            self.attr = set_attr(self.module, "forward", self.make(self.module.forward, self.module.forward))
+        self.installed = vars(self.module).get("forward")
+        self.reinstalls += 1
+        return True
 
     def restore(self) -> None:
         if not self.active:
@@ -112,32 +153,24 @@ class ForwardHandle:
         registry = getattr(self.module, "_diffusers_hook", None)
         if registry is None:
             return
-        registry.remove_hook(self.name, recurse=False)
+        reached = self.in_path()
+        if not reached and self.name in registry.hooks:
+            # Someone re-installed a forward over ours: leave theirs, drop only our entry.
+            index = registry._hook_order.index(self.name)
+            del registry.hooks[self.name]
+            registry._hook_order.pop(index)
+            registry._fn_refs.pop(index)
+        else:
+            registry.remove_hook(self.name, recurse=False)
         if self.created_registry and not registry.hooks:  # nobody else hooked it: leave the module as it was
             vars(self.module).pop("_diffusers_hook", None)
-            if not self.had_forward:
+            if not self.had_forward and reached:
                 vars(self.module).pop("forward", None)
 
 
-def wrap_forward(
-    module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None = None
-) -> ForwardHandle:
-    """Replace ``module.forward`` by ``make(call_original, signature_source)``.
-
-    ``call_original`` calls whatever ``forward`` lies underneath at call time, and
-    ``signature_source`` is the forward to read the signature from. Where diffusers has its
-    ``HookRegistry``, the replacement is registered there as the named ``ModelHook`` ``name``
-    (``reset`` as its ``reset_state``), so diffusers' layerwise casting, group offloading and
-    caches see it and compose with it, in any order; otherwise it is an instance attribute.
-    Either way ``restore()`` takes exactly it out.
-    """
+def _register(module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None) -> None:
+    registry_cls, model_hook = _hook_registry()
     source = module.forward
-    found = _hook_registry()
-    if found is None:
-        return ForwardHandle(module, name, attr=set_attr(module, "forward", make(source, source)))
-    registry_cls, model_hook = found
-    created = not hasattr(module, "_diffusers_hook")
-    had_forward = "forward" in vars(module)
 
     class _TorchfixHook(model_hook):  # type: ignore[misc, valid-type]
         _is_stateful = reset is not None
@@ -155,7 +188,30 @@ def wrap_forward(
             return module
 
     registry_cls.check_if_exists_or_initialize(module).register_hook(_TorchfixHook(), name)
-    return ForwardHandle(module, name, created_registry=created, had_forward=had_forward)
+
+
+def wrap_forward(
+    module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None = None
+) -> ForwardHandle:
+    """Replace ``module.forward`` by ``make(call_original, signature_source)``.
+
+    ``call_original`` calls whatever ``forward`` lies underneath at call time, and
+    ``signature_source`` is the forward to read the signature from. Where diffusers has its
+    ``HookRegistry``, the replacement is registered there as the named ``ModelHook`` ``name``
+    (``reset`` as its ``reset_state``), so diffusers' layerwise casting, group offloading and
+    caches see it and compose with it, in any order; otherwise it is an instance attribute.
+    Either way ``restore()`` takes exactly it out.
+    """
+    if _hook_registry() is None:
+        source = module.forward
+        handle = ForwardHandle(module, name, make, reset, attr=set_attr(module, "forward", make(source, source)))
+    else:
+        created = not hasattr(module, "_diffusers_hook")
+        had_forward = "forward" in vars(module)
+        _register(module, name, make, reset)
+        handle = ForwardHandle(module, name, make, reset, created_registry=created, had_forward=had_forward)
+    handle.installed = vars(module).get("forward")
+    return handle
 
 
 @dataclass
