@@ -118,10 +118,11 @@ def _hook_scheduler(state: Any, scheduler: Any) -> None:
         result = set_timesteps(*args, **kwargs)
         live = state_ref()
         if live is not None:
-            live.reset()
-            timesteps = getattr(scheduler, "timesteps", None)
-            live.total = len(timesteps) if timesteps is not None else None
             ensure_installed(live)
+            if engaged(live):  # another pipeline sharing this scheduler leaves a scoped state alone
+                live.reset()
+                timesteps = getattr(scheduler, "timesteps", None)
+                live.total = len(timesteps) if timesteps is not None else None
         return result
 
     state.scheduler_hook = instance.set_attr(scheduler, "set_timesteps", hooked)

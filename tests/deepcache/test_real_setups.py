@@ -1,0 +1,158 @@
+"""DeepCache in the setups people run: torch.compile (either order), model offload, from_pipe siblings,
+scheduler swaps, ``wrap(...).to()``. Each case is compared bit for bit with the right reference and
+counts the steps that ran in full and from the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+from torchfix import deepcache
+
+pytest.importorskip("diffusers")
+
+from diffusers import DPMSolverMultistepScheduler, StableDiffusionImg2ImgPipeline
+
+from torchfix.testing import latents, tiny_sd3_pipeline, tiny_sd15_pipeline
+
+CFG = torchfix.DeepCacheConfig(interval=3, branch=0)
+STEPS = 9  # interval 3: full steps 0, 3, 6
+
+
+def last(target):
+    call = deepcache.stats(target)["last_call"]
+    return call["full_steps"], call["cached_steps"]
+
+
+def cached_reference(steps=STEPS, **kwargs):
+    pipe = tiny_sd15_pipeline()
+    deepcache.apply(pipe, CFG)
+    return latents(pipe, steps=steps, **kwargs)
+
+
+@pytest.mark.parametrize("order", ["compile, then apply", "apply, then compile"])
+def test_a_compiled_unet_caches_and_stats_and_remove_see_through_the_wrapper(order):
+    pipe = tiny_sd15_pipeline()
+    plain = latents(pipe, steps=STEPS)
+    original = pipe.unet
+    if order == "compile, then apply":
+        pipe.unet = torch.compile(pipe.unet, backend="eager")
+        deepcache.apply(pipe, CFG)
+    else:
+        deepcache.apply(pipe, CFG)
+        pipe.unet = torch.compile(pipe.unet, backend="eager")
+    out = latents(pipe, steps=STEPS)
+    assert torch.equal(out, cached_reference())  # what eager DeepCache computes
+    assert last(pipe) == (3, 6)
+    for target in (pipe, pipe.unet, original):
+        assert deepcache.stats(target)["applied"] and deepcache.state_of(target) is deepcache.state_of(original)
+    deepcache.remove(pipe)
+    assert deepcache.stats(original) == {"applied": False} and "forward" not in vars(original)
+    assert torch.equal(latents(pipe, steps=STEPS), plain)
+
+
+def test_model_offload_keeps_caching_on_every_call():
+    pipe = tiny_sd15_pipeline()
+    pipe.enable_model_cpu_offload(device="cpu")
+    deepcache.apply(pipe, CFG)
+    reference = cached_reference()
+    for _ in range(3):  # maybe_free_model_hooks re-installs accelerate's forward after every call
+        assert torch.equal(latents(pipe, steps=STEPS), reference)
+        assert last(pipe) == (3, 6)
+    stats = deepcache.stats(pipe)
+    assert stats["reinstalls"] >= 2 and stats["applied"]
+    deepcache.remove(pipe)
+    assert deepcache.stats(pipe) == {"applied": False}
+    plain = latents(tiny_sd15_pipeline(), steps=STEPS)
+    assert torch.equal(latents(pipe, steps=STEPS), plain)  # removed for real, under offload too
+
+
+def test_a_bare_unet_whose_forward_was_replaced_is_not_reported_applied():
+    pipe = tiny_sd15_pipeline()
+    deepcache.apply(pipe.unet, CFG)
+    assert deepcache.stats(pipe.unet)["in_call_path"]
+    vars(pipe.unet)["forward"] = type(pipe.unet).forward.__get__(pipe.unet)  # another library puts back its own
+    stats = deepcache.stats(pipe.unet)
+    assert not stats["in_call_path"] and not stats["applied"]
+    deepcache.new_call(pipe.unet)  # a new generation puts it back
+    assert deepcache.stats(pipe.unet)["in_call_path"]
+    deepcache.remove(pipe.unet)
+
+
+def test_wrap_caches_only_its_own_calls_and_a_from_pipe_sibling_runs_untouched():
+    base = tiny_sd15_pipeline()
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    img2img = StableDiffusionImg2ImgPipeline.from_pipe(base)
+    assert img2img.unet is base.unet
+    plain_img2img = latents(img2img, steps=STEPS, image=image, strength=0.8)
+    w = torchfix.wrap(base, deepcache=CFG)
+    assert torch.equal(latents(w, steps=STEPS), cached_reference())
+    assert last(w) == (3, 6)
+    assert torch.equal(latents(img2img, steps=STEPS, image=image, strength=0.8), plain_img2img)  # bit for bit uncached
+    assert last(w) == (3, 6) and deepcache.stats(base)["scoped"]  # the sibling's call ran no DeepCache step
+    own_loop = base.unet(torch.randn(1, 4, 8, 8), 10, torch.randn(1, 77, 32)).sample
+    assert own_loop.shape == (1, 4, 8, 8) and last(w) == (3, 6)  # a user's own call: untouched too
+    assert torch.equal(latents(w, steps=STEPS), cached_reference())
+    w.unwrap()
+
+
+def test_a_model_wide_apply_stays_model_wide():
+    base = tiny_sd15_pipeline()
+    img2img = StableDiffusionImg2ImgPipeline.from_pipe(base)
+    deepcache.apply(base, CFG)
+    latents(img2img, steps=STEPS, image=torch.rand(1, 3, 64, 64), strength=1.0)
+    assert sum(last(base)) == STEPS and last(base)[1] > 0  # documented: apply() caches every caller
+    deepcache.remove(base)
+
+
+def test_a_swapped_scheduler_gives_what_a_fresh_apply_gives():
+    cfg = torchfix.DeepCacheConfig(interval=3, branch=0, schedule="nonuniform", num_steps=20)
+    pipe = tiny_sd15_pipeline()
+    deepcache.apply(pipe, cfg)
+    latents(pipe, steps=10)
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    swapped = latents(pipe, steps=20)
+    fresh = tiny_sd15_pipeline()
+    fresh.scheduler = DPMSolverMultistepScheduler.from_config(fresh.scheduler.config)
+    deepcache.apply(fresh, cfg)
+    assert torch.equal(swapped, latents(fresh, steps=20))
+    assert last(pipe) == last(fresh)
+    assert deepcache.state_of(pipe).total == 20
+    old = pipe.scheduler
+    deepcache.remove(pipe)
+    assert "set_timesteps" not in vars(old)  # the hook moved with the swap and is gone with remove()
+
+
+def test_custom_timesteps_set_the_step_count():
+    pipe = tiny_sd15_pipeline("EulerDiscreteScheduler")
+    deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=2, branch=0))
+    latents(pipe, steps=None, timesteps=[999, 800, 600, 400, 200, 100])
+    assert deepcache.state_of(pipe).total == 6 and last(pipe) == (3, 3)
+    deepcache.remove(pipe)
+
+
+def test_wrap_to_returns_the_wrapper_and_keeps_deepcache():
+    w = torchfix.wrap(tiny_sd15_pipeline(), deepcache=CFG)
+    moved = w.to("cpu")
+    assert moved is w and isinstance(moved, torchfix.pipeline.PipelineProxy)
+    assert torch.equal(latents(moved, steps=STEPS), cached_reference()) and last(w) == (3, 6)
+    assert w.unet is w.__wrapped__.unet and w.scheduler is w.__wrapped__.scheduler  # other attributes pass through
+    w.unwrap()
+
+
+def test_a_transformer_under_offload_and_scope():
+    cfg = torchfix.DeepCacheConfig(interval=3, keep_first=1, keep_last=1)
+    reference_pipe = tiny_sd3_pipeline()
+    deepcache.apply(reference_pipe, cfg)
+    reference = latents(reference_pipe, steps=STEPS)
+    deepcache.remove(reference_pipe)
+    plain = latents(reference_pipe, steps=STEPS)
+    pipe = tiny_sd3_pipeline()
+    pipe.enable_model_cpu_offload(device="cpu")
+    w = torchfix.wrap(pipe, deepcache=cfg)
+    for _ in range(2):
+        assert torch.equal(latents(w, steps=STEPS), reference)
+        assert last(w) == (3, 6)
+    assert torch.equal(latents(pipe, steps=STEPS), plain)  # the bare pipeline, outside wrap's calls
+    w.unwrap()
