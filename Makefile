@@ -15,6 +15,7 @@ $(BIN)/python:
 # torch first and pinned (the CPU wheel on the machine); then the project with its extras.
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip uninstall -q -y torchfix 2>/dev/null || true  # a pre-rename install of this project (now torchfix-diffusion)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -42,6 +42,8 @@ def test_strict_mode_fails_the_test_naming_the_site(suite):
     result = suite.runpytest_subprocess("-q", "--torchfix=strict")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*DtypeMismatchError*", "*test_user.py:5*"])
+    out = result.stdout.str()
+    assert "runtime/call.py" not in out and "torch_ops.py" not in out  # torchfix's own frames are hidden
 
 
 def test_warn_mode_warns(suite):

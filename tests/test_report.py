@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -30,3 +31,34 @@ def test_process_report_is_shared_and_sites_are_user_frames():
     assert len(evs) == 3 and len({e.site for e in evs}) == 1
     assert evs[0].site.startswith("tests/test_report.py:") and evs[0].module is None
     assert "3 fix(es) at 1 site(s)" in torchfix.report().summary()
+
+
+def test_a_clean_fp16_sdxl_pipeline_is_quiet_in_warn_mode_with_warnings_as_errors():
+    pytest.importorskip("diffusers")
+    import warnings
+
+    from torchfix.testing import latents, tiny_sdxl_pipeline
+
+    pipe = tiny_sdxl_pipeline().to(torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchfix.TorchfixWarning)
+        with torchfix.enabled(mode="warn"):
+            latents(pipe, steps=3)  # diffusers concatenates fp16 text embeddings with fp32 time ids, then casts back
+    rep = torchfix.report()
+    assert rep.fixes == 0 and rep.notes == 0 and len(rep) == 0
+    assert rep.summary().startswith("torchfix: nothing was fixed. (3 library-internal promotion(s) not shown")
+    internal = [e for e in rep.events if e.internal]
+    assert len(internal) == 3 and internal[0].site.startswith("diffusers/") and internal[0].action == "noted"
+    assert "torch.concat" in rep.summary(verbose=True)
+
+
+def test_a_promotion_in_your_own_code_is_a_note_and_warned():
+    import warnings
+
+    a, b = torch.randn(2, dtype=torch.float16), torch.randn(2, dtype=torch.bfloat16)
+    with torchfix.enabled(mode="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cat([a, b])
+    assert any("noticed torch.cat" in str(w.message) for w in caught if issubclass(w.category, torchfix.TorchfixWarning))
+    rep = torchfix.report()
+    assert rep.notes == 1 and rep.fixes == 0 and rep.summary().startswith("torchfix: nothing was fixed; 1 note(s)")

@@ -14,7 +14,11 @@ from types import FrameType
 
 import torch
 
-__all__ = ["call_site", "module_chain", "module_path", "name_root", "owner"]
+__all__ = ["call_site", "in_library", "module_chain", "module_path", "name_root", "owner"]
+
+# Libraries whose own internal promotions are theirs, not the user's to fix (diffusers' SDXL UNet concatenates
+# bf16 text embeddings with fp32 time embeddings and casts the result back on the next line).
+LIBRARIES = ("diffusers", "transformers", "peft", "accelerate")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCHFIX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -56,6 +60,15 @@ def call_site(depth: int = 1) -> str:
     if frame is None:
         return "<unknown>"
     return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def in_library(site: str) -> bool:
+    """Whether a call site (as :func:`call_site` gives it) lies in one of :data:`LIBRARIES`' own code.
+
+    >>> in_library("diffusers/models/unets/unet_2d_condition.py:920"), in_library("my_script.py:3")
+    (True, False)
+    """
+    return site.replace(os.sep, "/").split("/", 1)[0] in LIBRARIES
 
 
 def module_chain(depth: int = 1) -> list[torch.nn.Module]:

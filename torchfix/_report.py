@@ -30,6 +30,9 @@ class FixEvent:
         site: ``file:line`` of the caller (the first frame outside torch and torchfix).
         module: dotted path of the innermost ``nn.Module`` being run, or ``None``.
         detail: what changed, in words.
+        internal: a ``noted`` promotion inside diffusers', transformers', peft's or accelerate's own code
+            (the library's to handle, not the user's): never warned, not counted by ``summary()`` unless
+            ``verbose``.
     """
 
     op: str
@@ -38,6 +41,7 @@ class FixEvent:
     site: str
     module: str | None
     detail: str
+    internal: bool = False
 
 
 class Report:
@@ -54,11 +58,13 @@ class Report:
         self.events: list[FixEvent] = []
         self.dropped = 0
         self._counts: Counter[tuple[str, str, str, str, str | None]] = Counter()
+        self._internal: Counter[tuple[str, str, str, str, str | None]] = Counter()
 
     def add(self, event: FixEvent) -> None:
         """Record one event."""
         with self._lock:
-            self._counts[(event.site, event.op, event.guard, event.action, event.module)] += 1
+            counts = self._internal if event.internal else self._counts
+            counts[(event.site, event.op, event.guard, event.action, event.module)] += 1
             if len(self.events) < self._max:
                 self.events.append(event)
             else:
@@ -70,28 +76,55 @@ class Report:
             self.events = []
             self.dropped = 0
             self._counts.clear()
+            self._internal.clear()
 
-    def counts(self) -> dict[tuple[str, str, str, str, str | None], int]:
-        """``{(site, op, guard, action, module): count}`` over every event."""
+    def counts(self, internal: bool = False) -> dict[tuple[str, str, str, str, str | None], int]:
+        """``{(site, op, guard, action, module): count}`` over every event (``internal``: library-internal
+        promotions instead)."""
         with self._lock:
-            return dict(self._counts)
+            return dict(self._internal if internal else self._counts)
 
     def __len__(self) -> int:
         with self._lock:
             return sum(self._counts.values())
 
-    def summary(self) -> str:
-        """A readable table: one row per (site, op, guard, action, module), with counts.
+    @property
+    def fixes(self) -> int:
+        """Calls torchfix changed (every event but ``noted`` ones)."""
+        return sum(n for (_, _, _, action, _), n in self.counts().items() if action != "noted")
+
+    @property
+    def notes(self) -> int:
+        """Calls left as torch computes them but worth knowing (a silent promotion in your code)."""
+        return sum(n for (_, _, _, action, _), n in self.counts().items() if action == "noted")
+
+    def summary(self, verbose: bool = False) -> str:
+        """A readable table: one row per (site, op, guard, action, module), with counts. Fixes and notes
+        are counted apart; promotions inside diffusers/transformers/peft/accelerate code (which they undo
+        themselves) are listed only with ``verbose``.
 
         >>> Report().summary()
         'torchfix: nothing was fixed.'
         """
-        rows = sorted(self.counts().items(), key=lambda kv: (-kv[1], kv[0][0]))
+        counts = self.counts()
+        internal = self.counts(internal=True)
+        if verbose:
+            counts.update(internal)
+        rows = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][0]))
+        fixes = sum(n for k, n in rows if k[3] != "noted")
+        notes = sum(n for k, n in rows if k[3] == "noted")
+        hidden = "" if verbose or not internal else (
+            f" ({sum(internal.values())} library-internal promotion(s) not shown: report().summary(verbose=True))"
+        )
         if not rows:
-            return "torchfix: nothing was fixed."
+            return "torchfix: nothing was fixed." + hidden
         header = ("count", "op", "guard", "action", "module", "site")
         table = [header] + [(str(n), op, guard, action, module or "-", site) for (site, op, guard, action, module), n in rows]
-        lines = [f"torchfix: {sum(n for _, n in rows)} fix(es) at {len({k[0] for k, _ in rows})} site(s)"]
+        what = f"{fixes} fix(es)" if fixes else "nothing was fixed"
+        lines = [f"torchfix: {what} at {len({k[0] for k, n in rows if k[3] != 'noted'})} site(s)" if fixes else f"torchfix: {what}"]
+        if notes:
+            lines[0] += f"; {notes} note(s)"
+        lines[0] += hidden
         lines += align(table, rule=True)
         if self.dropped:
             lines.append(f"({self.dropped} event(s) counted but not kept in .events; raise TORCHFIX_MAX_EVENTS to keep more)")

@@ -22,7 +22,7 @@ region it runs in:
 - ``known-issue``: a layout (strides of the traced values) that hits a
   known-issue row for ``backend`` (e.g. ``"mps"``) and ``torch_version``.
 
-Needs the ``audit`` extra (``pip install 'torchfix[audit]'``).
+Needs the ``audit`` extra (``pip install 'torchfix-diffusion[audit]'``).
 
 >>> import torch, torchfix
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).half())
@@ -428,7 +428,7 @@ def audit(
         from torch_mlir import fx as mlir_fx
         from torch_mlir import ir as mlir_ir
     except ImportError as exc:
-        raise AuditError("torchfix.audit needs torch-mlir: pip install 'torchfix[audit]'") from exc
+        raise AuditError("torchfix.audit needs torch-mlir: pip install 'torchfix-diffusion[audit]'") from exc
     from .kernels import DECOMPOSITIONS
 
     version = torch_version or ki.TORCH_VERSION

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "main"]
 
 _PACKAGES = ("torch", "diffusers", "transformers", "triton", "torch-mlir", "wrapt", "accelerate")
+DISTRIBUTION = "torchfix-diffusion"  # the pip name; the import package is `torchfix` (the PyPI name `torchfix` is Meta's linter)
 
 
 # --- run -----------------------------------------------------------------------------------------
@@ -37,6 +38,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.module is None and args.script is None:
         print("torchfix run: give a SCRIPT or -m MODULE", file=sys.stderr)
         return 2
+    if args.module is None and not os.path.exists(args.script):  # checked before anything runs or is reported
+        print(f"torchfix run: no such script: {args.script}", file=sys.stderr)
+        return 2
     os.environ["TORCHFIX_MODE"] = args.mode  # child processes that import torchfix follow it
     torchfix.disable()
     torchfix.enable(args.mode)
@@ -48,9 +52,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.path.insert(0, os.getcwd())  # as `python -m` does: a module in the current directory imports
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         else:
-            if not os.path.exists(args.script):
-                print(f"torchfix run: no such script: {args.script}", file=sys.stderr)
-                return 2
             sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
             runpy.run_path(args.script, run_name="__main__")
     except SystemExit as exc:  # the script's own exit code is kept
@@ -81,6 +82,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from torchfix.guards import known_issues as ki
 
     print(f"torchfix {torchfix.__version__} on Python {platform.python_version()} ({platform.system()} {platform.release()})")
+    for name, summary in _foreign_torchfix():
+        what = "Meta's TorchFix linter" if "lint" in summary.lower() else f"another distribution ({summary or 'no summary'})"
+        print(
+            f"\nWARNING: the distribution {name!r}, {what}, also installs the `torchfix` import package; the two overwrite each "
+            f"other's files. This project installs as {DISTRIBUTION!r}. Fix: pip uninstall -y {name} && pip install --force-reinstall "
+            f"{DISTRIBUTION}"
+        )
     print("\npackages")
     for name in _PACKAGES:
         print(f"  {name:13s} {installed_version(name)}")
@@ -112,6 +120,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _foreign_torchfix() -> list[tuple[str, str]]:
+    """Installed distributions other than ours that provide the ``torchfix`` import package, with their summaries
+    (``pip install torchfix`` is Meta's TorchFix linter, which installs the same import package and console script)."""
+    from importlib.metadata import metadata, packages_distributions
+
+    names = sorted({d for d in packages_distributions().get("torchfix", []) if d.lower().replace("_", "-") != DISTRIBUTION})
+    return [(name, metadata(name).get("Summary") or "") for name in names]
+
+
 # --- audit -------------------------------------------------------------------------------------------
 
 
@@ -135,7 +152,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     try:
         import torch_mlir  # noqa: F401
     except ImportError:
-        print("torchfix audit needs torch-mlir, the `audit` extra: pip install 'torchfix[audit]'", file=sys.stderr)
+        print("torchfix audit needs torch-mlir, the `audit` extra: pip install 'torchfix-diffusion[audit]'", file=sys.stderr)
         return 2
     try:
         factory = _load_factory(args.target)
@@ -172,14 +189,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         from torchfix import demo
     except ImportError as exc:
-        print(f"torchfix demo needs diffusers and transformers: pip install 'torchfix[diffusers]' ({exc})", file=sys.stderr)
+        print(f"torchfix demo needs diffusers and transformers: pip install 'torchfix-diffusion[diffusers]' ({exc})", file=sys.stderr)
         return 2
     return demo.main(quick=args.quick)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``torchfix`` command."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="torchfix", description="Make diffusion scripts that break on dtype/device/layout just work.")
+    parser.add_argument("--version", action="version", version=f"torchfix {__version__} (distribution {DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the five incidents, plain torch vs torchfix, and the DeepCache speedup")
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests); the full demo is a few minutes on 2 cores")

@@ -156,3 +156,35 @@ def test_a_transformer_under_offload_and_scope():
         assert last(w) == (3, 6)
     assert torch.equal(latents(pipe, steps=STEPS), plain)  # the bare pipeline, outside wrap's calls
     w.unwrap()
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_before_deepcache_went_in_does_not_skip_it():
+    # dynamo does not guard on module hooks: once UNet2DConditionModel's frames ran out of recompiles, a graph
+    # compiled without DeepCache's capture hook was reused for a UNet that has it, and DeepCache ran 9 full
+    # steps of 9 (the sequence that showed it: another UNet compiled at several sizes, one compiled before
+    # DeepCache went in and run again after it came out, then this one).
+    from torchfix.testing import tiny_sdxl_unet
+
+    unet = tiny_sdxl_unet()
+    deepcache.apply(unet, torchfix.DeepCacheConfig(interval=2, branch=1))
+    compiled = torch.compile(unet, backend="eager", dynamic=False)
+    with torch.no_grad():
+        for size in ((90, 120), (90, 90), (45, 60)):
+            kw = {"added_cond_kwargs": {"text_embeds": torch.randn(1, 32), "time_ids": torch.randn(1, 6)}}
+            deepcache.new_call(unet)
+            for t in (900, 800):
+                compiled(torch.randn(1, 4, *size), t, torch.randn(1, 77, 64), **kw)
+    deepcache.remove(unet)
+    other = tiny_sd15_pipeline()
+    other.unet = torch.compile(other.unet, backend="eager")
+    deepcache.apply(other, CFG)
+    latents(other, steps=STEPS)
+    deepcache.remove(other)
+    latents(other, steps=STEPS)
+    pipe = tiny_sd15_pipeline()
+    deepcache.apply(pipe, CFG)
+    pipe.unet = torch.compile(pipe.unet, backend="eager")
+    assert torch.equal(latents(pipe, steps=STEPS), cached_reference())
+    assert last(pipe) == (3, 6)
+    deepcache.remove(pipe)

@@ -24,6 +24,7 @@ import torch
 
 from ..patches import instance
 from . import streams
+from ._graphs import forget_compiled
 from ._graphs import outside_graphs as _outside_graphs
 from .config import DeepCacheConfig, is_full_step
 from .layout import Layout, analyse
@@ -315,6 +316,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
         tstate.scope = scope
         streams.follow_scheduler(tstate, pipe)
         _STATES[unet] = tstate
+        forget_compiled(f"applied to {type(unet).__name__}")
         return tstate
     state = DeepCacheState(config, layout, unet.forward, scope=scope)
     state_ref = weakref.ref(state)
@@ -328,6 +330,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
     state.handles.append(instance.wrap_forward(unet, HOOK_NAME, _make_forward(unet, state), reset=state.reset))
     streams.follow_scheduler(state, pipe)
     _STATES[unet] = state
+    forget_compiled(f"applied to {type(unet).__name__}")
     log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(unet).__name__, layout.describe(config.branch), config.interval)
     return state
 
@@ -345,3 +348,4 @@ def remove(target: Any) -> None:
         state.scheduler_hook.restore()
         state.scheduler_hook = None
     state.reset()
+    forget_compiled(f"removed from {type(unet).__name__}")

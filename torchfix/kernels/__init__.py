@@ -69,7 +69,7 @@ def backends() -> list[Backend]:
     cuda = devices.backend_usable("cuda")
     mps = devices.backend_usable("mps")
     if not triton_found:
-        cuda_note = "Triton is not installed: CUDA tensors use the ATen path (pip install 'torchfix[triton]')"
+        cuda_note = "Triton is not installed: CUDA tensors use the ATen path (pip install 'torchfix-diffusion[triton]')"
     elif not cuda:
         cuda_note = "Triton is installed; no CUDA device here (the kernel is tested on CPU with TRITON_INTERPRET=1)"
     else:

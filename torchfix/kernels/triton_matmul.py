@@ -42,7 +42,7 @@ _MAX_BATCH_DIMS = 3
 def unavailable_reason() -> str | None:
     """Why the Triton kernel cannot run in this process, or ``None``."""
     if triton is None:
-        return "Triton is not installed (pip install 'torchfix[triton]')"
+        return "Triton is not installed (pip install 'torchfix-diffusion[triton]')"
     return None
 
 

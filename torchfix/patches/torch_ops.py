@@ -57,6 +57,10 @@ from .core import Patch
 
 __all__ = ["PATCHES", "TARGETS"]
 
+# pytest leaves out of a failure's traceback every frame whose globals hold this (as it does its own
+# helpers): a strict-mode failure shows the user's call and torchfix's error, not torchfix's internals.
+__tracebackhide__ = True
+
 Wrapper = Callable[..., Any]
 Picker = Callable[[tuple, dict], tuple]
 # Anything that is not a tensor where one is expected, a missing argument, or

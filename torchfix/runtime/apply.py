@@ -14,6 +14,10 @@ from .binding import Bound
 
 __all__ = ["apply", "reuse_cast", "stride_post"]
 
+# pytest leaves out of a failure's traceback every frame whose globals hold this (as it does its own
+# helpers): a strict-mode failure shows the user's call and torchfix's error, not torchfix's internals.
+__tracebackhide__ = True
+
 
 class _Cast(NamedTuple):
     dtype: torch.dtype

@@ -30,6 +30,10 @@ from .record import note, observe, record
 
 __all__ = ["guarded_call"]
 
+# pytest leaves out of a failure's traceback every frame whose globals hold this (as it does its own
+# helpers): a strict-mode failure shows the user's call and torchfix's error, not torchfix's internals.
+__tracebackhide__ = True
+
 log = logging.getLogger("torchfix")
 
 _ERRORS: dict[str, type[TorchfixError]] = {"dtype": DtypeMismatchError, "device": DeviceMismatchError, "stride": LayoutError}

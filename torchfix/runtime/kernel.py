@@ -109,7 +109,8 @@ def _available(device_type: str) -> bool:
 
 
 def _warn_missing(device_type: str) -> None:
-    what = "Triton is not installed (pip install 'torchfix[triton]')" if device_type == "cuda" else "the Metal kernel is unavailable"
+    triton = "Triton is not installed (pip install 'torchfix-diffusion[triton]')"
+    what = triton if device_type == "cuda" else "the Metal kernel is unavailable"
     text = f"torchfix: {what}; mixed-dtype and strided matmuls on {device_type} are cast/copied instead of read in place."
     _warn.once(("kernel-missing", device_type), text, stacklevel=4)
 

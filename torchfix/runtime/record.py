@@ -32,15 +32,17 @@ def record(
     site: str,
     module: str | None,
     changes: str | None = None,
+    internal: bool = False,
 ) -> None:
-    """Report what was done about ``finding`` (``changes``, else its actions on ``before``)."""
+    """Report what was done about ``finding`` (``changes``, else its actions on ``before``); ``internal``: a
+    promotion inside a library's own code, recorded but never warned about."""
     if changes is None:
         changes = ", ".join(action_text(a, before) for a in finding.actions)
     detail = f"{finding.problem} → {changes}" + (f" ({finding.note})" if finding.note else "")
     action = finding.actions[0].action
-    report().add(FixEvent(spec.name, finding.guard, action, site, module, detail))
+    report().add(FixEvent(spec.name, finding.guard, action, site, module, detail, internal))
     log.debug("torchfix %s at %s%s: %s", spec.name, site, f" [{module}]" if module else "", detail)
-    if settings.mode == "warn":
+    if settings.mode == "warn" and not internal:
         where = f" in {module}" if module else ""
         verb = "noticed" if action == "noted" else "fixed"
         _warn.once((site, spec.name), f"torchfix {verb} {spec.name}{where}: {detail}. To fix it for good: {finding.fix}.", site=site)
@@ -55,7 +57,9 @@ def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str
         extra = f"; result {size:,} B in {dtype_name(result.dtype)}, +{size - result.numel() * narrowest:,} B over the narrowest input"
     noted = dataclasses.replace(finding, actions=(Action(finding.guard, "noted", ""),), note=finding.note + extra)
     chain = _frames.module_chain(2)
-    record(spec, settings, noted, before, _frames.call_site(2), _frames.module_path(chain), "left as torch computes it")
+    site = _frames.call_site(2)
+    internal = _frames.in_library(site)
+    record(spec, settings, noted, before, site, _frames.module_path(chain), "left as torch computes it", internal)
 
 
 def observe(finding: Finding, before: Mapping[str, torch.Tensor], chain: Sequence[torch.nn.Module] | None) -> None:
