@@ -256,6 +256,76 @@ def _returning_proxy(proxy: Any, method: Any) -> Any:
     return call
 
 
+def _handover_hook(name: str, mode: str) -> Any:
+    """A forward pre-hook for the denoiser ``name``: ControlNet hand-overs cast to its dtype
+    (:func:`torchfix.guards.dtype.handover`), one event per denoiser call."""
+
+    def cast_handover(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        present = [k for k in _HANDOVER_KWARGS if kwargs.get(k) is not None]
+        if not present:
+            return None
+        receiver = _model.model_dtype(module)
+        seen: list[torch.dtype] = []
+        for key in present:
+            kwargs[key] = _cast_handover(kwargs[key], receiver, seen)
+        if not seen:
+            return None
+        site = _frames.call_site(1)
+        given = ", ".join(sorted({_dt(d) for d in seen}))
+        detail = (
+            f"{len(seen)} ControlNet residual(s) in {given} handed to {name} ({_dt(receiver)}) → cast to {_dt(receiver)} "
+            f"(rule: the receiver's dtype wins; torch would promote its activations and its next layer would reject them)"
+        )
+        report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, name, detail))
+        if mode == "warn":
+            text = f"torchfix.wrap: {detail}. To fix it for good: pipe.controlnet.to(torch.{_dt(receiver)})."
+            _warn.once(("handover", name, given), text, site=site)
+        return args, kwargs
+
+    return cast_handover
+
+
+def _finite_hook(path: str, mode: str) -> Any:
+    """A forward hook for a VAE's ``decoder``/``encoder``: a non-finite fp16/bf16 result from finite input
+    is re-run in fp32 (``strict``: :class:`torchfix.NonFiniteError`)."""
+    running: list[bool] = []
+
+    def rerun_non_finite(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        # Only a reduced-precision result is checked: one isfinite pass over the output.
+        if running or not isinstance(output, torch.Tensor) or output.dtype not in _LOW or bool(torch.isfinite(output).all()):
+            return None
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not all(bool(torch.isfinite(t).all()) for t in inputs):
+            return None  # garbage in: not the VAE's precision at fault
+        site = _frames.call_site(1)
+        low = _dt(output.dtype)
+        problem = f"{path} in {low} produced NaN/inf from finite input (its activations exceed {low}'s range)"
+        fix = f"run the VAE in float32 (pipe.vae.to(torch.float32), or a VAE fixed for {low} such as madebyollin/sdxl-vae-fp16-fix)"
+        if mode == "strict":
+            raise NonFiniteError(f"torchfix: {problem}. To fix: {fix}.")
+        up = {n: t.float() if t.is_floating_point() else t for n, t in (*module.named_parameters(), *module.named_buffers())}
+        cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        cast_kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+        running.append(True)
+        try:
+            result = torch.func.functional_call(module, up, tuple(cast), cast_kw)
+        finally:
+            running.pop()
+        back = result.to(output.dtype)
+        result = back if bool(torch.isfinite(back).all()) else result
+        detail = (
+            f"{problem} → re-ran in float32, returned {_dt(result.dtype)} "
+            "(rule: a non-finite reduced-precision decode is re-run in float32, as AUTOMATIC1111's VAE revert does)"
+        )
+        report().add(FixEvent("torchfix.wrap", "dtype", "upcast", site, path, detail))
+        log.info("torchfix.wrap: %s: %s", path, detail)
+        if mode == "warn":
+            _warn.once(("non-finite", path), f"torchfix.wrap: {detail}. To fix it for good: {fix}.", site=site)
+        return result
+
+    return rerun_non_finite
+
+
 class PipelineProxy(wrapt.ObjectProxy):
     """A diffusers pipeline with torchfix around every call. ``isinstance`` still holds;
     attributes and methods pass through; the pipeline class is never modified."""
@@ -477,76 +547,13 @@ class PipelineProxy(wrapt.ObjectProxy):
         if mode in ("fix", "warn"):
             for name in ("unet", "transformer"):
                 if name in modules:
-                    hooks.append(add_hook(modules[name], self._handover_hook(name, mode), pre=True, with_kwargs=True))
+                    hooks.append(add_hook(modules[name], _handover_hook(name, mode), pre=True, with_kwargs=True))
         vae = modules.get("vae")
         for part in ("decoder", "encoder"):
             sub = getattr(vae, part, None)
             if isinstance(sub, torch.nn.Module):
-                hooks.append(add_hook(sub, self._finite_hook(f"vae.{part}", mode), with_kwargs=True))
+                hooks.append(add_hook(sub, _finite_hook(f"vae.{part}", mode), with_kwargs=True))
         return hooks
-
-    def _handover_hook(self, name: str, mode: str) -> Any:
-        def cast_handover(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-            present = [k for k in _HANDOVER_KWARGS if kwargs.get(k) is not None]
-            if not present:
-                return None
-            receiver = _model.model_dtype(module)
-            seen: list[torch.dtype] = []
-            for key in present:
-                kwargs[key] = _cast_handover(kwargs[key], receiver, seen)
-            if not seen:
-                return None
-            site = _frames.call_site(1)
-            given = ", ".join(sorted({_dt(d) for d in seen}))
-            detail = (
-                f"{len(seen)} ControlNet residual(s) in {given} handed to {name} ({_dt(receiver)}) → cast to {_dt(receiver)} "
-                f"(rule: the receiver's dtype wins; torch would promote its activations and its next layer would reject them)"
-            )
-            report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, name, detail))
-            if mode == "warn":
-                text = f"torchfix.wrap: {detail}. To fix it for good: pipe.controlnet.to(torch.{_dt(receiver)})."
-                _warn.once(("handover", name, given), text, site=site)
-            return args, kwargs
-
-        return cast_handover
-
-    def _finite_hook(self, path: str, mode: str) -> Any:
-        running: list[bool] = []
-
-        def rerun_non_finite(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-            # Only a reduced-precision result is checked: one isfinite pass over the output.
-            if running or not isinstance(output, torch.Tensor) or output.dtype not in _LOW or bool(torch.isfinite(output).all()):
-                return None
-            inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if not all(bool(torch.isfinite(t).all()) for t in inputs):
-                return None  # garbage in: not the VAE's precision at fault
-            site = _frames.call_site(1)
-            low = _dt(output.dtype)
-            problem = f"{path} in {low} produced NaN/inf from finite input (its activations exceed {low}'s range)"
-            fix = f"run the VAE in float32 (pipe.vae.to(torch.float32), or a VAE fixed for {low} such as madebyollin/sdxl-vae-fp16-fix)"
-            if mode == "strict":
-                raise NonFiniteError(f"torchfix: {problem}. To fix: {fix}.")
-            up = {n: t.float() if t.is_floating_point() else t for n, t in (*module.named_parameters(), *module.named_buffers())}
-            cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            cast_kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
-            running.append(True)
-            try:
-                result = torch.func.functional_call(module, up, tuple(cast), cast_kw)
-            finally:
-                running.pop()
-            back = result.to(output.dtype)
-            result = back if bool(torch.isfinite(back).all()) else result
-            detail = (
-                f"{problem} → re-ran in float32, returned {_dt(result.dtype)} "
-                "(rule: a non-finite reduced-precision decode is re-run in float32, as AUTOMATIC1111's VAE revert does)"
-            )
-            report().add(FixEvent("torchfix.wrap", "dtype", "upcast", site, path, detail))
-            log.info("torchfix.wrap: %s: %s", path, detail)
-            if mode == "warn":
-                _warn.once(("non-finite", path), f"torchfix.wrap: {detail}. To fix it for good: {fix}.", site=site)
-            return result
-
-        return rerun_non_finite
 
     # --- what the first call taught ---------------------------------------------------------
 
