@@ -14,7 +14,7 @@ from types import FrameType
 
 import torch
 
-__all__ = ["call_site", "in_library", "module_chain", "module_path", "name_root", "owner"]
+__all__ = ["call_site", "in_library", "module_chain", "module_path", "name_root", "owner", "uncompiled"]
 
 # Libraries whose own internal promotions are theirs, not the user's to fix (diffusers' SDXL UNet concatenates
 # bf16 text embeddings with fp32 time embeddings and casts the result back on the next line).
@@ -147,10 +147,16 @@ def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.
     return root, _ROOT_NAMES.get(root, "")
 
 
-def _compiled(module: torch.nn.Module) -> torch.nn.Module:
-    # torch.compile's OptimizedModule runs the module it holds: that module is the model.
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile``'d ``OptimizedModule`` runs (that module is the model), else ``module``.
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> uncompiled(lin) is lin
+    True
+    """
     inner = module._modules.get("_orig_mod") if type(module).__name__ == "OptimizedModule" else None
-    return inner if inner is not None else module
+    return inner if isinstance(inner, torch.nn.Module) else module
 
 
 def owner(chain: list[torch.nn.Module]) -> tuple[torch.nn.Module, str] | None:
@@ -163,7 +169,7 @@ def owner(chain: list[torch.nn.Module]) -> tuple[torch.nn.Module, str] | None:
     """
     if not chain:
         return None
-    root, name = _root([_compiled(m) for m in chain], sys._getframe(1))
+    root, name = _root([uncompiled(m) for m in chain], sys._getframe(1))
     return root, name or type(root).__name__
 
 

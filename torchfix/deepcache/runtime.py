@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._frames import uncompiled
 from ..patches import instance
 from . import streams
 from ._graphs import forget_compiled
@@ -107,21 +108,15 @@ class DeepCacheState:
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState | TransformerCacheState] = weakref.WeakKeyDictionary()
 
 
-def _compiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module a ``torch.compile``'d ``OptimizedModule`` runs (DeepCache lives on it), else ``model``."""
-    inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
-    return inner if isinstance(inner, torch.nn.Module) else model
-
-
 def _resolve(target: Any) -> tuple[torch.nn.Module, Any]:
     """The denoiser (a pipeline's ``unet`` or ``transformer``, or the model itself; through
     ``torch.compile``'s wrapper, in either order) and the pipeline."""
     for attr in ("unet", "transformer"):
         model = getattr(target, attr, None)
         if isinstance(model, torch.nn.Module):
-            return _compiled(model), target
+            return uncompiled(model), target
     if isinstance(target, torch.nn.Module):
-        return _compiled(target), None
+        return uncompiled(target), None
     raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline, its UNet or its transformer, got {type(target).__name__}.")
 
 

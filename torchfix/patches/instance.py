@@ -132,10 +132,7 @@ class ForwardHandle:
         if self.attr is None and registry is not None and self.name in registry.hooks:
             # Drop our stale entry without touching module.forward (diffusers' remove_hook would
             # put back the forward we wrapped, which is the one that was replaced), then register anew.
-            index = registry._hook_order.index(self.name)
-            del registry.hooks[self.name]
-            registry._hook_order.pop(index)
-            registry._fn_refs.pop(index)
+            _drop_entry(registry, self.name)
             _register(self.module, self.name, self.make, self.reset)
         else:
             self.attr = set_attr(self.module, "forward", self.make(self.module.forward, self.module.forward))
@@ -155,17 +152,21 @@ class ForwardHandle:
             return
         reached = self.in_path()
         if not reached and self.name in registry.hooks:
-            # Someone re-installed a forward over ours: leave theirs, drop only our entry.
-            index = registry._hook_order.index(self.name)
-            del registry.hooks[self.name]
-            registry._hook_order.pop(index)
-            registry._fn_refs.pop(index)
+            _drop_entry(registry, self.name)  # someone re-installed a forward over ours: leave theirs
         else:
             registry.remove_hook(self.name, recurse=False)
         if self.created_registry and not registry.hooks:  # nobody else hooked it: leave the module as it was
             vars(self.module).pop("_diffusers_hook", None)
             if not self.had_forward and reached:
                 vars(self.module).pop("forward", None)
+
+
+def _drop_entry(registry: Any, name: str) -> None:
+    """Take hook ``name`` out of a diffusers ``HookRegistry``'s bookkeeping, leaving ``module.forward`` as it is."""
+    index = registry._hook_order.index(name)
+    del registry.hooks[name]
+    registry._hook_order.pop(index)
+    registry._fn_refs.pop(index)
 
 
 def _register(module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None) -> None:
