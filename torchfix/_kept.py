@@ -16,7 +16,7 @@ by ``unwrap``) and by ``torch.compile`` / ``Module.compile`` while torchfix is o
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -66,6 +66,15 @@ def keep_dtype(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _listed(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The submodules of ``root`` listed in a ``_keep_in_fp32_modules`` (of ``root`` or of a model nested in it)."""
+    for model in root.modules():
+        if getattr(model, "_keep_in_fp32_modules", None):
+            for sub_path, sub in model.named_modules():
+                if sub_path and dtype_guard.kept_in_fp32(model, sub_path):
+                    yield sub
+
+
 def mark_model(root: torch.nn.Module) -> list[Mark]:
     """Mark the parameters of ``root``'s submodules listed in a ``_keep_in_fp32_modules``
     (of ``root`` or of any model nested in it) and every buffer of ``root``.
@@ -84,13 +93,9 @@ def mark_model(root: torch.nn.Module) -> list[Mark]:
     False
     """
     marks: list[Mark] = []
-    for model in root.modules():
-        if not getattr(model, "_keep_in_fp32_modules", None):
-            continue
-        for sub_path, sub in model.named_modules():
-            if sub_path and dtype_guard.kept_in_fp32(model, sub_path):
-                for p in sub.parameters():
-                    _set(p, KEEP, "fp32", marks)
+    for sub in _listed(root):
+        for p in sub.parameters():
+            _set(p, KEEP, "fp32", marks)
     for b in root.buffers():
         _set(b, OWNED, True, marks)
     return marks
@@ -104,10 +109,8 @@ def kept_parameters(root: torch.nn.Module) -> set[int]:
     for module in root.modules():
         if module in _kept_modules:
             kept.update(id(p) for p in module.parameters())
-        if getattr(module, "_keep_in_fp32_modules", None):
-            for sub_path, sub in module.named_modules():
-                if sub_path and dtype_guard.kept_in_fp32(module, sub_path):
-                    kept.update(id(p) for p in sub.parameters() if p.dtype == torch.float32)
+    for sub in _listed(root):
+        kept.update(id(p) for p in sub.parameters() if p.dtype == torch.float32)
     return kept
 
 

@@ -106,25 +106,20 @@ class Report:
         >>> Report().summary()
         'torchfix: nothing was fixed.'
         """
-        counts = self.counts()
         internal = self.counts(internal=True)
-        if verbose:
-            counts.update(internal)
-        rows = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][0]))
-        fixes = sum(n for k, n in rows if k[3] != "noted")
-        notes = sum(n for k, n in rows if k[3] == "noted")
+        rows = sorted({**self.counts(), **(internal if verbose else {})}.items(), key=lambda kv: (-kv[1], kv[0][0]))
+        fixes = self.fixes
+        notes = self.notes + (sum(internal.values()) if verbose else 0)
         hidden = "" if verbose or not internal else (
             f" ({sum(internal.values())} library-internal promotion(s) not shown: report().summary(verbose=True))"
         )
         if not rows:
             return "torchfix: nothing was fixed." + hidden
+        sites = len({k[0] for k in self.counts() if k[3] != "noted"})
+        first = f"torchfix: {fixes} fix(es) at {sites} site(s)" if fixes else "torchfix: nothing was fixed"
+        lines = [first + (f"; {notes} note(s)" if notes else "") + hidden]
         header = ("count", "op", "guard", "action", "module", "site")
         table = [header] + [(str(n), op, guard, action, module or "-", site) for (site, op, guard, action, module), n in rows]
-        what = f"{fixes} fix(es)" if fixes else "nothing was fixed"
-        lines = [f"torchfix: {what} at {len({k[0] for k, n in rows if k[3] != 'noted'})} site(s)" if fixes else f"torchfix: {what}"]
-        if notes:
-            lines[0] += f"; {notes} note(s)"
-        lines[0] += hidden
         lines += align(table, rule=True)
         if self.dropped:
             lines.append(f"({self.dropped} event(s) counted but not kept in .events; raise TORCHFIX_MAX_EVENTS to keep more)")

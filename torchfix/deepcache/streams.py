@@ -101,6 +101,13 @@ def ensure_installed(state: Any) -> int:
     return n
 
 
+def _restart(state: Any, scheduler: Any) -> None:
+    """A new generation, with the step count ``scheduler`` has set."""
+    state.reset()
+    timesteps = getattr(scheduler, "timesteps", None)
+    state.total = len(timesteps) if timesteps is not None else None
+
+
 def _hook_scheduler(state: Any, scheduler: Any) -> None:
     """Reset the state whenever ``scheduler`` sets its timesteps (a pipeline call starts), with the step
     count it set; re-install DeepCache's forwards if another hook replaced them since the last call."""
@@ -120,9 +127,7 @@ def _hook_scheduler(state: Any, scheduler: Any) -> None:
         if live is not None:
             ensure_installed(live)
             if engaged(live):  # another pipeline sharing this scheduler leaves a scoped state alone
-                live.reset()
-                timesteps = getattr(scheduler, "timesteps", None)
-                live.total = len(timesteps) if timesteps is not None else None
+                _restart(live, scheduler)
         return result
 
     state.scheduler_hook = instance.set_attr(scheduler, "set_timesteps", hooked)
@@ -144,6 +149,4 @@ def follow_scheduler(state: Any, pipe: Any = None) -> None:
     swapped = state.scheduler is not None
     _hook_scheduler(state, scheduler)
     if swapped:  # this call's timesteps are already set on the new scheduler: a new generation
-        state.reset()
-        timesteps = getattr(scheduler, "timesteps", None)
-        state.total = len(timesteps) if timesteps is not None else None
+        _restart(state, scheduler)
