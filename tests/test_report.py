@@ -14,10 +14,13 @@ def test_summary_counts_per_site_and_caps_kept_events():
         rep.add(FixEvent("F.linear", "dtype", "cast", "a.py:1", "proj", f"d{i}"))
     rep.add(FixEvent("torch.cat", "dtype", "promote", "b.py:7", None, "x"))
     assert len(rep.events) == 2 and rep.dropped == 4 and len(rep) == 6
-    text = rep.summary()
+    text = rep.summary(verbose=True)
     assert "6 fix(es) at 2 site(s)" in text and "a.py:1" in text and "TORCHFIX_MAX_EVENTS" in text
     lines = text.splitlines()
     assert lines[3].startswith("5") and "proj" in lines[3]
+    grouped = rep.summary().splitlines()
+    assert grouped[0] == lines[0] and len(grouped) == len(lines) + 1  # per component and cause, then where to find detail
+    assert grouped[3].split()[:2] == ["-", "1"] and grouped[4].split()[:2] == ["proj", "5"]
     rep.clear()
     assert rep.summary() == "torchfix: nothing was fixed."
 
@@ -62,3 +65,87 @@ def test_a_promotion_in_your_own_code_is_a_note_and_warned():
     assert any("noticed torch.cat" in str(w.message) for w in caught if issubclass(w.category, torchfix.TorchfixWarning))
     rep = torchfix.report()
     assert rep.notes == 1 and rep.fixes == 0 and rep.summary().startswith("torchfix: nothing was fixed; 1 note(s)")
+
+
+def test_a_real_scale_run_reads_as_one_row_per_component_and_cause_with_bytes():
+    pytest.importorskip("diffusers")
+    from torchfix.testing import latents, tiny_sd15_pipeline
+
+    pipe = tiny_sd15_pipeline()
+    pipe.unet.down_blocks.to(torch.float16)  # stray layers: each cast to the UNet's fp32 on every call
+    pipe.unet.up_blocks[1].to(torch.bfloat16)
+    with torchfix.enabled():
+        latents(pipe, steps=2)
+    rep = torchfix.report()
+    per_site = rep.summary(verbose=True).splitlines()
+    text = rep.summary()
+    rows = text.splitlines()[3:-1]
+    assert len(per_site) > 100 and len(rows) <= 10  # was a row per call site and module
+    causes = rep.causes()
+    assert all(component == "unet" and guard == "dtype" for component, _, guard, _, _ in causes)
+    assert {change for *_, change in causes} == {"float16→float32", "bfloat16→float32"}
+    assert sum(n for n, *_ in causes.values()) == rep.fixes == len(rep.events)
+    linear = causes[("unet", "F.linear", "dtype", "cast", "float16→float32")]
+    weights = [e for e in rep.events if e.op == "F.linear" and e.change == "float16→float32"]
+    assert linear[1] == sum(e.nbytes for e in weights) > 0  # bytes: what the casts made (fp32 copies of fp16 weights)
+    assert "KiB" in text and "report().summary(verbose=True)" in text
+
+
+def test_run_verbose_prints_the_per_site_table(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "mix.py"
+    script.write_text("import torch, torch.nn.functional as F\nF.linear(torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(3, 4))\n")
+    run = [sys.executable, "-m", "torchfix", "run"]
+    grouped = subprocess.run([*run, str(script)], capture_output=True, text=True, check=True).stderr
+    verbose = subprocess.run([*run, "--verbose", str(script)], capture_output=True, text=True, check=True).stderr
+    assert "first site" in grouped and "float32→bfloat16" in grouped and "mix.py:2" in grouped
+    assert "first site" not in verbose and "mix.py:2" in verbose
+
+
+COMFY_OPS = '''
+import torch
+import torch.nn.functional as F
+
+
+class Linear(torch.nn.Linear):  # ComfyUI's cast-weight layer, reduced to its call
+    def forward(self, input):
+        return F.linear(input, self.weight, self.bias)
+'''
+
+
+def test_call_sites_skip_layer_wrappers_and_keep_the_layer_in_the_module_path(tmp_path, monkeypatch):
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "__init__.py").write_text("")
+    (tmp_path / "comfy" / "ops.py").write_text(COMFY_OPS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from comfy import ops
+
+    model = torch.nn.Sequential(ops.Linear(4, 3))
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    with torchfix.enabled():
+        model(x)  # the site: this line, not comfy/ops.py
+    (event,) = torchfix.report().events
+    assert event.site.startswith("tests/test_report.py:") and event.module == "0"
+
+
+def test_a_peft_lora_layer_is_a_module_path_and_its_caller_the_site():
+    peft = pytest.importorskip("peft")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    net = peft.get_peft_model(Net(), peft.LoraConfig(target_modules=["proj"], r=2, init_lora_weights=False))
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    with torchfix.enabled():
+        net(x)
+    events = torchfix.report().events
+    # the site was peft/tuners/lora/layer.py
+    assert events and all(e.site.startswith("tests/test_report.py:") for e in events), [e.site for e in events]
+    assert [e.module for e in events] == ["base_model.model.proj.base_layer"]  # the LoRA layer stays in the module path

@@ -31,3 +31,13 @@ def test_builders_leave_the_global_rng_and_no_temp_dirs_behind(tmp_path, monkeyp
     assert pipe.tokenizer("a cat").input_ids[0] == pipe.tokenizer.bos_token_id
     again = testing.tiny_sd15_pipeline()
     assert all(torch.equal(a, b) for a, b in zip(pipe.unet.parameters(), again.unet.parameters()))  # still seeded
+
+
+def test_flops_count_attention_on_the_cpu_flash_path():
+    import torch.nn.functional as F
+
+    from torchfix.testing import flops
+
+    q = torch.randn(1, 2, 16, 8)
+    assert flops(lambda: F.scaled_dot_product_attention(q, q, q)) == 4 * 2 * 16 * 16 * 8  # torch's counter alone: 0
+    assert flops(lambda: torch.randn(2, 3) @ torch.randn(3, 4)) == 2 * 2 * 3 * 4

@@ -23,6 +23,20 @@ LIBRARIES = ("diffusers", "transformers", "peft", "accelerate")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCHFIX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIP = (_TORCH_DIR, _TORCHFIX_DIR)
+# Layer wrappers and hook plumbing between the caller and the op: a call site there names the wrapper,
+# not who called the layer (ComfyUI's cast-weight layers, peft's LoRA layers, accelerate's and diffusers'
+# forward hooks). The layer itself stays in the module path.
+LAYER_WRAPPERS = tuple(
+    os.sep + p.replace("/", os.sep)
+    for p in (
+        "comfy/ops.py",
+        "peft/tuners/lora/layer.py",
+        "peft/tuners/lora/bnb.py",
+        "peft/tuners/tuners_utils.py",
+        "accelerate/hooks.py",
+        "diffusers/hooks/hooks.py",
+    )
+)
 _SITE_DIRS = tuple(
     sorted({p + os.sep for p in (sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")) if p}, key=len, reverse=True)
 )
@@ -35,12 +49,17 @@ _NAME_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, str]] = weakre
 
 
 def _user_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame outside torch, torchfix and :data:`LAYER_WRAPPERS` (the first outside torch
+    and torchfix where nothing else is left)."""
+    fallback = None
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_SKIP):
-            return frame
+            if not filename.endswith(LAYER_WRAPPERS):
+                return frame
+            fallback = fallback or frame
         frame = frame.f_back
-    return None
+    return fallback
 
 
 def _short(filename: str) -> str:

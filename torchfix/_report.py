@@ -33,6 +33,12 @@ class FixEvent:
         internal: a ``noted`` promotion inside diffusers', transformers', peft's or accelerate's own code
             (the library's to handle, not the user's): never warned, not counted by ``summary()`` unless
             ``verbose``.
+        change: what changed, in short: ``float32→float16``, ``cpu→cuda:0``, ``strided→contiguous``.
+        nbytes: bytes of the tensors the fix made (casts, moves, copies; for a ``noted`` promotion, the
+            bytes its result costs over the narrowest input).
+
+    >>> FixEvent("F.linear", "dtype", "cast", "x.py:3", "unet.conv_in", "...", change="float32→float16").component
+    'unet'
     """
 
     op: str
@@ -42,10 +48,20 @@ class FixEvent:
     module: str | None
     detail: str
     internal: bool = False
+    change: str = ""
+    nbytes: int = 0
+
+    @property
+    def component(self) -> str:
+        """The first part of ``module`` (the pipeline component or outermost module), ``-`` for a bare call."""
+        return self.module.split(".", 1)[0] if self.module else "-"
+
+
+_Cause = tuple[str, str, str, str, str]  # component, op, guard, action, change
 
 
 class Report:
-    """Events in the order they happened, plus exact counts per site.
+    """Events in the order they happened, plus exact counts per site and per cause.
 
     ``events`` keeps at most ``TORCHFIX_MAX_EVENTS`` (default 10,000) events so
     that a per-call fix in a long loop cannot grow memory without bound;
@@ -59,12 +75,20 @@ class Report:
         self.dropped = 0
         self._counts: Counter[tuple[str, str, str, str, str | None]] = Counter()
         self._internal: Counter[tuple[str, str, str, str, str | None]] = Counter()
+        self._causes: dict[tuple[bool, _Cause], list] = {}  # (internal, cause) -> [count, bytes, {sites}, first site]
 
     def add(self, event: FixEvent) -> None:
         """Record one event."""
         with self._lock:
             counts = self._internal if event.internal else self._counts
             counts[(event.site, event.op, event.guard, event.action, event.module)] += 1
+            key = (event.internal, (event.component, event.op, event.guard, event.action, event.change))
+            row = self._causes.get(key)
+            if row is None:
+                row = self._causes[key] = [0, 0, set(), event.site]
+            row[0] += 1
+            row[1] += event.nbytes
+            row[2].add(event.site)
             if len(self.events) < self._max:
                 self.events.append(event)
             else:
@@ -77,12 +101,27 @@ class Report:
             self.dropped = 0
             self._counts.clear()
             self._internal.clear()
+            self._causes.clear()
 
     def counts(self, internal: bool = False) -> dict[tuple[str, str, str, str, str | None], int]:
         """``{(site, op, guard, action, module): count}`` over every event (``internal``: library-internal
         promotions instead)."""
         with self._lock:
             return dict(self._internal if internal else self._counts)
+
+    def causes(self, internal: bool = False) -> dict[_Cause, tuple[int, int, int, str]]:
+        """``{(component, op, guard, action, change): (count, bytes, sites, first site)}`` over every
+        event: what :meth:`summary` prints, one row per component and cause.
+
+        >>> r = Report()
+        >>> r.add(FixEvent("F.linear", "dtype", "cast", "a.py:1", "unet.x", "", change="float32→float16", nbytes=64))
+        >>> r.causes()
+        {('unet', 'F.linear', 'dtype', 'cast', 'float32→float16'): (1, 64, 1, 'a.py:1')}
+        """
+        with self._lock:
+            return {
+                cause: (n, b, len(sites), first) for (inner, cause), (n, b, sites, first) in self._causes.items() if inner == internal
+            }
 
     def __len__(self) -> int:
         with self._lock:
@@ -99,34 +138,61 @@ class Report:
         return sum(n for (_, _, _, action, _), n in self.counts().items() if action == "noted")
 
     def summary(self, verbose: bool = False) -> str:
-        """A readable table: one row per (site, op, guard, action, module), with counts. Fixes and notes
-        are counted apart; promotions inside diffusers/transformers/peft/accelerate code (which they undo
-        themselves) are listed only with ``verbose``.
+        """A readable table, one row per component and cause (op, guard, action, from→to) with counts,
+        bytes and the first call site (and how many more); fixes and notes are counted apart. ``verbose``: one row per
+        call site and module instead, with the promotions inside diffusers/transformers/peft/accelerate
+        code (which they undo themselves); every event's full text is in :attr:`events`.
 
         >>> Report().summary()
         'torchfix: nothing was fixed.'
         """
         internal = self.counts(internal=True)
-        rows = sorted({**self.counts(), **(internal if verbose else {})}.items(), key=lambda kv: (-kv[1], kv[0][0]))
+        n_internal = sum(internal.values())
         fixes = self.fixes
-        notes = self.notes + (sum(internal.values()) if verbose else 0)
+        notes = self.notes + (n_internal if verbose else 0)
         hidden = "" if verbose or not internal else (
-            f" ({sum(internal.values())} library-internal promotion(s) not shown: report().summary(verbose=True))"
+            f" ({n_internal} library-internal promotion(s) not shown: report().summary(verbose=True))"
         )
-        if not rows:
+        if not self.counts() and not (verbose and internal):
             return "torchfix: nothing was fixed." + hidden
         sites = len({k[0] for k in self.counts() if k[3] != "noted"})
         first = f"torchfix: {fixes} fix(es) at {sites} site(s)" if fixes else "torchfix: nothing was fixed"
         lines = [first + (f"; {notes} note(s)" if notes else "") + hidden]
-        header = ("count", "op", "guard", "action", "module", "site")
-        table = [header] + [(str(n), op, guard, action, module or "-", site) for (site, op, guard, action, module), n in rows]
+        if verbose:
+            rows = sorted({**self.counts(), **internal}.items(), key=lambda kv: (-kv[1], kv[0][0]))
+            header = ("count", "op", "guard", "action", "module", "site")
+            table = [header] + [(str(n), op, guard, action, module or "-", site) for (site, op, guard, action, module), n in rows]
+        else:
+            causes = sorted(self.causes().items(), key=lambda kv: (kv[0][0], -kv[1][0], kv[0]))
+            header = ("component", "count", "bytes", "op", "guard", "action", "change", "first site")
+            table = [header] + [
+                (component, str(n), _size(b), op, guard, action, change or "-", first + (f" (+{k - 1} more)" if k > 1 else ""))
+                for (component, op, guard, action, change), (n, b, k, first) in causes
+            ]
         lines += align(table, rule=True)
+        if not verbose:
+            lines.append("(one row per component and cause; per call site: report().summary(verbose=True), every event: report().events)")
         if self.dropped:
             lines.append(f"({self.dropped} event(s) counted but not kept in .events; raise TORCHFIX_MAX_EVENTS to keep more)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"<torchfix.Report {len(self)} event(s)>"
+
+
+def _size(nbytes: int) -> str:
+    """``512 B``, ``1.5 KiB``, ``3.2 MiB``, ``1.1 GiB``.
+
+    >>> _size(1536)
+    '1.5 KiB'
+    """
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        nbytes /= 1024
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}"
+    raise AssertionError  # pragma: no cover
 
 
 _REPORT = Report()

@@ -33,9 +33,11 @@ Needs the ``audit`` extra (``pip install 'torchfix-diffusion[audit]'``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -395,6 +397,17 @@ def _check_arguments(model: Any, backend: str | None, torch_version: str | None,
             raise ValueError(f"torchfix.audit: {str(exc).removeprefix('torchfix: ')}") from None
 
 
+@contextlib.contextmanager
+def _quiet_tools() -> Iterator[None]:
+    """Deprecation notices torch.export and torch-mlir raise about their own internals (torch 2.13's pytree
+    ``LeafSpec`` ``FutureWarning``, attributed to ``copyreg``) are not the user's: kept out of the audit's
+    output. Warnings from the user's own model code still show."""
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"(copyreg|torch|torch_mlir)(\.|$)")
+        yield
+
+
 def audit(
     model: torch.nn.Module,
     *example_inputs: Any,
@@ -437,7 +450,7 @@ def audit(
     report.findings.extend(device_findings)
     target: torch.nn.Module = _WithStandIns(model, stand_ins) if stand_ins else model
     try:
-        with enabled("fix", guards=("dtype", "device")), torch.no_grad():
+        with enabled("fix", guards=("dtype", "device")), torch.no_grad(), _quiet_tools():
             ep = torch.export.export(target, tuple(example_inputs), strict=False)
     except TorchfixError as exc:  # a hazard torchfix cannot fix: it is the finding
         report.findings.append(AuditFinding("", "", "unfixable", str(exc).splitlines()[0], "see the error text", False))
@@ -454,7 +467,8 @@ def audit(
         report.findings.extend(_layout_findings(ep, wrapped, backend, version, os_version))
     table = _tag(ep, wrapped)
     try:
-        module = mlir_fx.export_and_import(ep, decomposition_table=DECOMPOSITIONS)
+        with _quiet_tools():
+            module = mlir_fx.export_and_import(ep, decomposition_table=DECOMPOSITIONS)
     except Exception as exc:
         raise AuditError(f"torchfix.audit: torch-mlir could not import the exported graph: {type(exc).__name__}: {exc}") from exc
     report.ir = module.operation.get_asm(enable_debug_info=True)

@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         traceback.print_exc()
         code = 1
     finally:
-        print(f"\n{torchfix.report().summary()}", file=sys.stderr)
+        print(f"\n{torchfix.report().summary(verbose=args.verbose)}", file=sys.stderr)
     return code
 
 
@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(fn=cmd_demo)
     run = sub.add_parser("run", help="run an unmodified script or module with the guards on")
     run.add_argument("--mode", choices=("fix", "warn", "strict"), default="fix")
+    run.add_argument("--verbose", action="store_true", help="the report per call site, library-internal promotions included")
     run.add_argument("-m", dest="module", help="run a module as a script, like python -m")
     run.add_argument("script", nargs="?", help="the script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -233,9 +234,9 @@ def _env_error() -> str | None:
 
 
 def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
-    """``run [--mode M] (SCRIPT | -m MODULE) ARGS...``: torchfix's options come before the target;
-    everything after the target belongs to it (``run train.py -m resnet`` runs train.py with ``-m resnet``)."""
-    mode, i = "fix", 0
+    """``run [--mode M] [--verbose] (SCRIPT | -m MODULE) ARGS...``: torchfix's options come before the
+    target; everything after the target belongs to it (``run train.py -m resnet`` runs train.py with ``-m resnet``)."""
+    mode, i, verbose = "fix", 0, False
     while i < len(rest) and rest[i].startswith("-") and rest[i] != "-m":
         option = rest[i]
         if option in ("-h", "--help"):
@@ -244,8 +245,12 @@ def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Nam
             mode, i = rest[i + 1], i + 2
         elif option.startswith("--mode="):
             mode, i = option.split("=", 1)[1], i + 1
+        elif option == "--verbose":
+            verbose, i = True, i + 1
         else:
-            parser.error(f"run: unknown option {option!r} before the script; torchfix run takes --mode, then SCRIPT or -m MODULE")
+            parser.error(
+                f"run: unknown option {option!r} before the script; torchfix run takes --mode and --verbose, then SCRIPT or -m MODULE"
+            )
     if mode not in ("fix", "warn", "strict"):
         parser.error(f"run: --mode {mode!r} is not valid; use fix, warn or strict")
     module = script = None
@@ -255,7 +260,7 @@ def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Nam
         module, i = rest[i + 1], i + 2
     elif i < len(rest):
         script, i = rest[i], i + 1
-    return argparse.Namespace(fn=cmd_run, command="run", mode=mode, module=module, script=script, args=rest[i:])
+    return argparse.Namespace(fn=cmd_run, command="run", mode=mode, verbose=verbose, module=module, script=script, args=rest[i:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

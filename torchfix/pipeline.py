@@ -204,14 +204,14 @@ _HANDOVER_KWARGS = (
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _cast_handover(value: Any, receiver: torch.dtype | None, seen: list[torch.dtype]) -> Any:
+def _cast_handover(value: Any, receiver: torch.dtype | None, seen: list[torch.Tensor]) -> Any:
     """``value`` (a tensor, or a tuple/list of them) with each floating tensor cast where
-    :func:`torchfix.guards.dtype.handover` says so; the dtypes it cast from go to ``seen``."""
+    :func:`torchfix.guards.dtype.handover` says so; the tensors it cast go to ``seen``."""
     if isinstance(value, torch.Tensor):
         target = dtype_guard.handover(receiver, value.dtype)
         if target is None:
             return value
-        seen.append(value.dtype)
+        seen.append(value)
         return value.to(target)
     if isinstance(value, (tuple, list)):
         return type(value)(_cast_handover(v, receiver, seen) for v in value)
@@ -265,18 +265,19 @@ def _handover_hook(name: str, mode: str) -> Any:
         if not present:
             return None
         receiver = _model.model_dtype(module)
-        seen: list[torch.dtype] = []
+        seen: list[torch.Tensor] = []
         for key in present:
             kwargs[key] = _cast_handover(kwargs[key], receiver, seen)
         if not seen:
             return None
         site = _frames.call_site(1)
-        given = ", ".join(sorted({_dt(d) for d in seen}))
+        given = ", ".join(sorted({_dt(t.dtype) for t in seen}))
+        nbytes = sum(t.numel() for t in seen) * receiver.itemsize
         detail = (
             f"{len(seen)} ControlNet residual(s) in {given} handed to {name} ({_dt(receiver)}) → cast to {_dt(receiver)} "
             f"(rule: the receiver's dtype wins; torch would promote its activations and its next layer would reject them)"
         )
-        report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, name, detail))
+        report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, name, detail, change=f"{given}→{_dt(receiver)}", nbytes=nbytes))
         if mode == "warn":
             text = f"torchfix.wrap: {detail}. To fix it for good: pipe.controlnet.to(torch.{_dt(receiver)})."
             _warn.once(("handover", name, given), text, site=site)
@@ -317,7 +318,8 @@ def _finite_hook(path: str, mode: str) -> Any:
             f"{problem} → re-ran in float32, returned {_dt(result.dtype)} "
             "(rule: a non-finite reduced-precision decode is re-run in float32, as AUTOMATIC1111's VAE revert does)"
         )
-        report().add(FixEvent("torchfix.wrap", "dtype", "upcast", site, path, detail))
+        nbytes = result.numel() * result.element_size() + sum(t.numel() * 4 for t in up.values() if t.dtype == torch.float32)
+        report().add(FixEvent("torchfix.wrap", "dtype", "upcast", site, path, detail, change=f"{low}→float32", nbytes=nbytes))
         log.info("torchfix.wrap: %s: %s", path, detail)
         if mode == "warn":
             _warn.once(("non-finite", path), f"torchfix.wrap: {detail}. To fix it for good: {fix}.", site=site)
@@ -586,7 +588,9 @@ class PipelineProxy(wrapt.ObjectProxy):
                 _finding(path, f"{name} is {before} where its calls need {dtype} (torch rejects the mix)", fix, True)
             )
             detail = f"{name} {_dt(before)}→{_dt(dtype)} once, after the first call (the guards cast it on every call so far)"
-            report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, path, detail))
+            nbytes = tensor.numel() * dtype.itemsize
+            change = f"{_dt(before)}→{_dt(dtype)}"
+            report().add(FixEvent("torchfix.wrap", "dtype", "cast", site, path, detail, change=change, nbytes=nbytes))
             log.info("torchfix.wrap: %s.%s %s", path, name, detail)
             if mode == "warn":
                 warnings.warn(

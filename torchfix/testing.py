@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "clip_tokenizer",
+    "flops",
     "latents",
     "t5_tokenizer",
     "tiny_flux_pipeline",
@@ -352,3 +353,32 @@ def latents(pipe: Any, prompt: str = "a cat", *, steps: int = 10, size: tuple[in
         generator=torch.Generator().manual_seed(seed),
         **kwargs,
     ).images
+
+
+def _cpu_flash_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """torch's CPU flash attention: ``Q·Kᵀ`` and ``P·V``, 2 FLOPs a multiply-add each (torch's counter has no
+    formula for it, so attention-heavy models would read as cheap)."""
+    *batch, lq, e = query_shape
+    lk, ev = key_shape[-2], value_shape[-1]
+    n = 1
+    for b in batch:
+        n *= b
+    return 2 * n * lq * lk * e + 2 * n * lq * lk * ev
+
+
+def flops(run: Any) -> int:
+    """The FLOPs ``run()`` does (matmuls, convolutions and attention, CPU flash attention included), counted
+    by ``torch.utils.flop_counter``: the work a cache saves, beside its wall time.
+
+    >>> flops(lambda: torch.randn(2, 3) @ torch.randn(3, 4))
+    48
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mapping = {}
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is not None:
+        mapping[flash] = _cpu_flash_flops
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        run()
+    return int(counter.get_total_flops())

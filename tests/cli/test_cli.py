@@ -146,6 +146,7 @@ def test_audit_command(tmp_path):
     pytest.importorskip("torch_mlir")
     (tmp_path / "factories.py").write_text(FACTORY)
     r = torchfix("audit", "factories:stray", cwd=tmp_path)
+    assert "Warning" not in r.stderr, r.stderr  # torch's pytree LeafSpec FutureWarning is torch's, not the user's
     assert r.returncode == 1, r.stderr
     assert "head" in r.stdout and "aten.linear" in r.stdout and "mixed-dtype" in r.stdout
     r = torchfix("audit", "factories:clean", "--ir", cwd=tmp_path)
@@ -161,5 +162,5 @@ def test_demo_quick_fixes_every_incident():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "5/5 incidents fixed" in r.stdout
     for needle in ("mat1 and mat2 shapes cannot be multiplied", "expected m1 and m2 to have the same dtype", "ModelMismatchError",
-                   "DeviceMismatchError", "faster"):  # fmt: skip
+                   "DeviceMismatchError", "Sizes of tensors must match", "GFLOP", "median of 3", "allows at most 3.00x"):  # fmt: skip
         assert needle in r.stdout, needle

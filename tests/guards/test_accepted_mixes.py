@@ -108,8 +108,9 @@ def _linear(draw):
     return ac, make
 
 
-def _conv(nd):
-    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+def _conv(nd, owner=F):
+    def fn(*args, **kwargs):
+        return getattr(owner, f"conv{nd}d")(*args, **kwargs)  # looked up per call: patched or not
 
     @st.composite
     def case(draw):
@@ -156,7 +157,7 @@ def _sdpa(draw):
 
 
 @st.composite
-def _norm(draw, group):
+def _norm(draw, group, owner=F):
     ac = draw(autocast())
     base = draw(st.sampled_from((f16, bf16, bf16, f32, f64)))
     # fp32 parameters with a low-precision input are valid torch; other mixes mostly are not
@@ -169,10 +170,14 @@ def _norm(draw, group):
     if group:
         g = draw(st.sampled_from([1, 2]))
         return ac, (
-            lambda: (F.group_norm, (x, g), {"weight": w, "bias": bias, "eps": 1e-5}) if keywords else (F.group_norm, (x, g, w, bias), {})
+            lambda: (owner.group_norm, (x, g), {"weight": w, "bias": bias, "eps": 1e-5})
+            if keywords
+            else (owner.group_norm, (x, g, w, bias), {})
         )
     return ac, (
-        lambda: (F.layer_norm, (x, (c,)), {"weight": w, "bias": bias, "eps": 1e-5}) if keywords else (F.layer_norm, (x, (c,), w, bias), {})
+        lambda: (owner.layer_norm, (x, (c,)), {"weight": w, "bias": bias, "eps": 1e-5})
+        if keywords
+        else (owner.layer_norm, (x, (c,), w, bias), {})
     )
 
 
@@ -226,6 +231,12 @@ CASES = {
     "torch.cat": _cat(torch.cat),
     "torch.concat": _cat(torch.concat),
     "torch.concatenate": _cat(torch.concatenate, "axis"),
+    "torch.linalg.matmul": _mm_case(lambda *a, **kw: torch.linalg.matmul(*a, **kw), "matmul"),
+    "torch.conv1d": _conv(1, torch),
+    "torch.conv2d": _conv(2, torch),
+    "torch.conv3d": _conv(3, torch),
+    "torch.layer_norm": _norm(False, torch),
+    "torch.group_norm": _norm(True, torch),
 }
 
 

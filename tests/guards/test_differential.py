@@ -49,7 +49,7 @@ def _cases():
         return lambda: F.linear(x, w, b)
 
     @st.composite
-    def conv(draw, nd):
+    def conv(draw, nd, alias=False):
         dtype = draw(st.sampled_from((torch.float32, torch.float64, torch.bfloat16)))
         groups = draw(st.sampled_from([1, 2]))
         cin, cout = 2 * draw(st.integers(1, 2)), 2 * draw(st.integers(1, 2))
@@ -58,8 +58,8 @@ def _cases():
         w = draw(tensor((cout, cin // groups) + (draw(st.integers(1, 3)),) * nd, dtype))
         b = draw(st.none() | tensor((cout,), dtype))
         kw = {"stride": draw(st.sampled_from([1, 2])), "padding": draw(st.sampled_from([0, 1])), "groups": groups}
-        fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
-        return lambda: fn(x, w, b, **kw)
+        name = f"conv{nd}d"
+        return lambda: getattr(torch if alias else F, name)(x, w, b, **kw)
 
     @st.composite
     def sdpa(draw):
@@ -79,7 +79,7 @@ def _cases():
         return lambda: F.scaled_dot_product_attention(q, k, v)
 
     @st.composite
-    def layer_norm(draw):
+    def layer_norm(draw, fn=None):
         dtype = draw(st.sampled_from(FLOATS))
         d = draw(dims)
         x = draw(tensor((*_batch(draw, draw(st.integers(1, 2))), d), dtype))
@@ -87,17 +87,17 @@ def _cases():
         pdtype = draw(st.sampled_from([dtype, torch.float32])) if dtype in (torch.float16, torch.bfloat16) else dtype
         w = draw(st.none() | tensor((d,), pdtype))
         b = draw(st.none() | tensor((d,), pdtype))
-        return lambda: F.layer_norm(x, (d,), w, b, eps=1e-5)
+        return lambda: (fn or F.layer_norm)(x, (d,), w, b, eps=1e-5)
 
     @st.composite
-    def group_norm(draw):
+    def group_norm(draw, fn=None):
         dtype = draw(st.sampled_from((torch.float32, torch.float64, torch.bfloat16)))
         g = draw(st.integers(1, 3))
         c = g * draw(st.integers(1, 2))
         x = draw(tensor((draw(st.integers(1, 2)), c, draw(st.integers(2, 4)), draw(dims)), dtype))
         w = draw(st.none() | tensor((c,), dtype))
         b = draw(st.none() | tensor((c,), dtype))
-        return lambda: F.group_norm(x, g, w, b)
+        return lambda: (fn or F.group_norm)(x, g, w, b)
 
     @st.composite
     def cat(draw, fn, kwname="dim"):
@@ -135,6 +135,13 @@ def _cases():
         "torch.cat": cat(torch.cat),
         "torch.concat": cat(torch.concat),
         "torch.concatenate": cat(torch.concatenate, "axis"),
+        # torch's other spellings of the same builtins, looked up per call (patched or not)
+        "torch.linalg.matmul": two(lambda a, b: torch.linalg.matmul(a, b)),
+        "torch.conv1d": conv(1, alias=True),
+        "torch.conv2d": conv(2, alias=True),
+        "torch.conv3d": conv(3, alias=True),
+        "torch.layer_norm": layer_norm(lambda *a, **k: torch.layer_norm(*a, **k)),
+        "torch.group_norm": group_norm(lambda *a, **k: torch.group_norm(*a, **k)),
     }
 
 

@@ -82,6 +82,31 @@ REJECTED = [
         lambda: F.layer_norm(x, (4,), half(_r(4)), half(_r(4))),
         bf16,
     ),
+    # torch's other spellings of the same builtins: fixed like their twins (they raised under torchfix before)
+    ("torch.conv1d", "positional", lambda: torch.conv1d(img[:, :, 0], half(kern[..., 0]), kb), None, bf16),
+    (
+        "torch.conv2d",
+        "bias=, padding=",
+        lambda: torch.conv2d(img, half(kern), bias=kb, padding=1),
+        lambda: F.conv2d(img, half(kern), kb, 1, 1),
+        bf16,
+    ),
+    ("torch.conv3d", "positional", lambda: torch.conv3d(img[..., None], half(kern[..., None]), kb), None, bf16),
+    ("torch.linalg.matmul", "positional", lambda: torch.linalg.matmul(a, half(m2)), lambda: torch.matmul(a, half(m2)), f32),
+    (
+        "torch.layer_norm",
+        "positional",
+        lambda: torch.layer_norm(x, (4,), half(_r(4)), half(_r(4))),
+        lambda: F.layer_norm(x, (4,), half(_r(4)), half(_r(4))),
+        bf16,
+    ),
+    (
+        "torch.group_norm",
+        "weight=, bias=",
+        lambda: torch.group_norm(gx, 2, weight=half(gw), bias=half(gw)),
+        lambda: F.group_norm(gx, 2, half(gw), half(gw)),
+        bf16,
+    ),
     (
         "torch.cat",
         "tensors=, dim=, under bf16 autocast",
@@ -140,6 +165,9 @@ META_OPS = {
     "F.layer_norm": ([(2, 4), (4,), (4,)], lambda x, w, b: F.layer_norm(x, (4,), w, b)),
     "F.group_norm(weight=, bias=)": ([(1, 4, 2, 2), (4,), (4,)], lambda x, w, b: F.group_norm(x, 2, weight=w, bias=b)),
     "torch.cat": ([(2,), (2,)], lambda a, b: torch.cat([a, b])),
+    "torch.conv2d": ([(1, 2, 5, 5), (2, 2, 3, 3), (2,)], lambda *t: torch.conv2d(*t)),
+    "torch.linalg.matmul": ([(4, 4), (4, 4)], lambda a, b: torch.linalg.matmul(a, b)),
+    "torch.layer_norm": ([(2, 4), (4,), (4,)], lambda x, w, b: torch.layer_norm(x, (4,), w, b)),
 }
 META = [(f"{op} #{i}", shapes, fn, i) for op, (shapes, fn) in META_OPS.items() for i in range(len(shapes))]
 

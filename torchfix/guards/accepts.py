@@ -86,6 +86,10 @@ _PROBES: dict[str, tuple[str, Probe]] = {
 }
 for _name in ("torch.cat", "torch.concat", "torch.concatenate"):
     _PROBES[_name] = ("cat", lambda t: aten.cat(list(t.values())))
+_TWINS = {"torch.linalg.matmul": "torch.matmul"}
+_TWINS.update((f"torch.{n}", f"F.{n}") for n in ("conv1d", "conv2d", "conv3d", "layer_norm", "group_norm"))
+for _alias, _twin in _TWINS.items():
+    _PROBES[_alias] = _PROBES[_twin]  # the same builtin under another spelling
 
 Key = tuple[str, tuple[tuple[str, torch.dtype, int | None, bool], ...], torch.device, torch.dtype | None]
 _verdicts: dict[Key, bool] = {}

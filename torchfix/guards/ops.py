@@ -76,6 +76,14 @@ SPECS: dict[str, OpSpec] = {
         ),
         OpSpec("F.layer_norm", "norm", "layer_norm", ("input", "normalized_shape", "weight", "bias"), ("input", "weight", "bias")),
         OpSpec("F.group_norm", "norm", "group_norm", ("input", "num_groups", "weight", "bias"), ("input", "weight", "bias")),
+        # the same builtins under torch's other spellings (torch.conv2d is F.conv2d's builtin; F.layer_norm
+        # and F.group_norm call torch.layer_norm / torch.group_norm; torch.linalg.matmul is matmul's twin)
+        _mm("torch.linalg.matmul", "matmul", ("input", "other")),
+        OpSpec("torch.conv1d", "conv", "conv", ("input", "weight", "bias"), ("input", "weight", "bias")),
+        OpSpec("torch.conv2d", "conv", "conv", ("input", "weight", "bias"), ("input", "weight", "bias")),
+        OpSpec("torch.conv3d", "conv", "conv", ("input", "weight", "bias"), ("input", "weight", "bias")),
+        OpSpec("torch.layer_norm", "norm", "layer_norm", ("input", "normalized_shape", "weight", "bias"), ("input", "weight", "bias")),
+        OpSpec("torch.group_norm", "norm", "group_norm", ("input", "num_groups", "weight", "bias"), ("input", "weight", "bias")),
         OpSpec("torch.cat", "cat", "cat", ("tensors",), ("tensors",)),
         OpSpec("torch.concat", "cat", "cat", ("tensors",), ("tensors",)),
         OpSpec("torch.concatenate", "cat", "cat", ("tensors",), ("tensors",)),

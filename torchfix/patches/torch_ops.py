@@ -44,6 +44,7 @@ no check first.)
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -133,12 +134,24 @@ _DYNAMO = torch.compiler.is_dynamo_compiling
 _COMPILER = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
 
 
+def _outer_twin(spec: OpSpec) -> Any:
+    """The code of the ``torch.nn.functional`` function that calls ``spec``'s builtin itself
+    (``F.layer_norm`` calls ``torch.layer_norm``), or ``None``. Inside its guarded twin, the inner
+    guard leaves torch's error to the outer one, so the event names what the user called."""
+    twin = {"torch.layer_norm": "layer_norm", "torch.group_norm": "group_norm"}.get(spec.name)
+    if twin is None:
+        return None
+    fn = getattr(F, twin)
+    return getattr(fn, "__wrapped__", fn).__code__
+
+
 def _general(spec: OpSpec, orig: Wrapper) -> tuple[Callable[[tuple, dict], Any], Callable[[BaseException, tuple, dict], Any]]:
     """The general path for one op, and the fast path's "torch raised: whose error is it?"."""
     slow, rows, pick = runtime.guarded_call, ki.holder(spec.family), _picker(spec)
     dynamo, compiler = _DYNAMO, _COMPILER
     meta = tuple((spec.params.index(name), name) for name in _meta_operands(spec))
     sequence = spec.sequence
+    twin = _outer_twin(spec)
 
     def uniform(args: tuple, kwargs: dict) -> bool:
         try:
@@ -187,6 +200,8 @@ def _general(spec: OpSpec, orig: Wrapper) -> tuple[Callable[[tuple, dict], Any],
         where the error is not torchfix's (torchfix off here, inputs that agree, out of memory)."""
         if isinstance(exc, _OUT_OF_MEMORY):
             return None
+        if twin is not None and sys._getframe(2).f_code is twin:
+            return None  # called by F.layer_norm / F.group_norm, whose own guard fixes the call
         settings = _context.current()
         if not settings.active or uniform(args, kwargs):
             return None
@@ -436,6 +451,12 @@ TARGETS: tuple[tuple[Any, str, str], ...] = (
     (F, "group_norm", "F.group_norm"),
     (torch, "cat", "torch.cat"),
     (torch, "concat", "torch.concat"),
+    (torch.linalg, "matmul", "torch.linalg.matmul"),
+    (torch, "conv1d", "torch.conv1d"),
+    (torch, "conv2d", "torch.conv2d"),
+    (torch, "conv3d", "torch.conv3d"),
+    (torch, "layer_norm", "torch.layer_norm"),
+    (torch, "group_norm", "torch.group_norm"),
     (torch, "concatenate", "torch.concatenate"),
 )
 

@@ -33,14 +33,17 @@ def record(
     module: str | None,
     changes: str | None = None,
     internal: bool = False,
+    short: tuple[str, int] | None = None,
 ) -> None:
     """Report what was done about ``finding`` (``changes``, else its actions on ``before``); ``internal``: a
-    promotion inside a library's own code, recorded but never warned about."""
+    promotion inside a library's own code, recorded but never warned about; ``short``: the event's
+    ``(change, nbytes)`` where its actions do not say (a ``noted`` promotion)."""
     if changes is None:
         changes = ", ".join(action_text(a, before) for a in finding.actions)
     detail = f"{finding.problem} → {changes}" + (f" ({finding.note})" if finding.note else "")
     action = finding.actions[0].action
-    report().add(FixEvent(spec.name, finding.guard, action, site, module, detail, internal))
+    change, nbytes = short if short is not None else _short(finding, before)
+    report().add(FixEvent(spec.name, finding.guard, action, site, module, detail, internal, change, nbytes))
     log.debug("torchfix %s at %s%s: %s", spec.name, site, f" [{module}]" if module else "", detail)
     if settings.mode == "warn" and not internal:
         where = f" in {module}" if module else ""
@@ -48,18 +51,44 @@ def record(
         _warn.once((site, spec.name), f"torchfix {verb} {spec.name}{where}: {detail}. To fix it for good: {finding.fix}.", site=site)
 
 
+def _short(finding: Finding, before: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+    """``(change, nbytes)`` of ``finding``'s actions: ``float32→float16`` and the bytes of the tensors
+    they made (a cast, move or copy of each operand; a kernel or a CPU fallback makes none up front)."""
+    changes: list[str] = []
+    nbytes = 0
+    for a in finding.actions:
+        t = before.get(a.operand)
+        if a.action in ("cast", "upcast", "promote") and isinstance(a.to, torch.dtype):
+            text = f"{dtype_name(t.dtype) if t is not None else '?'}→{dtype_name(a.to)}"
+            nbytes += t.numel() * a.to.itemsize if t is not None else 0
+        elif a.action in ("move", "cpu"):
+            text = f"{t.device if t is not None else '?'}→{a.to if a.action == 'move' else 'cpu'}"
+            nbytes += t.numel() * t.element_size() if t is not None and a.action == "move" else 0
+        elif a.action == "contiguous":
+            text = "strided→contiguous"
+            nbytes += t.numel() * t.element_size() if t is not None else 0
+        else:
+            text = a.action
+        if text not in changes:
+            changes.append(text)
+    return ", ".join(changes), nbytes
+
+
 def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str, torch.Tensor], result: Any) -> None:
     """Record an advisory finding (the call ran as torch computes it), with the bytes it costs."""
     extra = ""
+    short = ("promoted", 0)
     if isinstance(result, torch.Tensor) and result.is_floating_point():
-        narrowest = min(t.element_size() for t in before.values() if t.is_floating_point())
+        narrowest = min((t for t in before.values() if t.is_floating_point()), key=lambda t: t.element_size())
         size = result.numel() * result.element_size()
-        extra = f"; result {size:,} B in {dtype_name(result.dtype)}, +{size - result.numel() * narrowest:,} B over the narrowest input"
+        over = size - result.numel() * narrowest.element_size()
+        extra = f"; result {size:,} B in {dtype_name(result.dtype)}, +{over:,} B over the narrowest input"
+        short = (f"{dtype_name(narrowest.dtype)}→{dtype_name(result.dtype)}", over)
     noted = dataclasses.replace(finding, actions=(Action(finding.guard, "noted", ""),), note=finding.note + extra)
     chain = _frames.module_chain(2)
     site = _frames.call_site(2)
     internal = _frames.in_library(site)
-    record(spec, settings, noted, before, site, _frames.module_path(chain), "left as torch computes it", internal)
+    record(spec, settings, noted, before, site, _frames.module_path(chain), "left as torch computes it", internal, short)
 
 
 def observe(finding: Finding, before: Mapping[str, torch.Tensor], chain: Sequence[torch.nn.Module] | None) -> None:
