@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchfix-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench denoisers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,15 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q tests
 
+# The denoisers the cache benchmark measures on, trained here on scikit-learn's digits (~1 CPU-hour);
+# checkpoints go to $${TORCHFIX_CACHE:-~/.cache/torchfix}/denoisers, outside git.
+denoisers: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/train_denoisers.py
+
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/caches.py
 	$(BIN)/python benchmarks/guard_overhead.py
 	$(BIN)/python benchmarks/deepcache.py
 	$(BIN)/python benchmarks/transformer_cache.py

@@ -45,3 +45,16 @@ def write_section(name: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     DOCS.write_text(text)
+
+
+def pareto(points: list[tuple[float, float]]) -> list[bool]:
+    """(speedup, error): True where no other point is at least as fast and as exact, and better in one."""
+    return [not any((s2 >= s and e2 <= e) and (s2 > s or e2 < e) for s2, e2 in points) for s, e in points]
+
+
+def save_plot(fig, title: str, png: str, alt: str) -> str:
+    """Title, lay out and save ``fig`` beside docs/benchmarks.md; the Markdown line that shows it."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(DOCS.parent / png, dpi=110)
+    return f"![{alt}]({png})"

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from _common import DOCS, machine, write_section  # noqa: E402
+from _common import machine, pareto, save_plot, write_section  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.deepcache import DeepCacheConfig, analyse_transformer  # noqa: E402
@@ -162,11 +162,6 @@ def diffusers_rows(quick: bool) -> list[tuple[str, Callable[[Any], None], Callab
     return rows
 
 
-def pareto(points: list[tuple[float, float]]) -> list[bool]:
-    """(speedup, error): True where no other point is at least as fast and as exact, and better in one."""
-    return [not any((s2 >= s and e2 <= e) and (s2 > s or e2 < e) for s2, e2 in points) for s, e in points]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -243,10 +238,7 @@ def main() -> int:
             ax.set_ylabel("speedup vs plain")
             ax.set_title(model_name)
     if plt is not None:
-        fig.suptitle("torchfix DeepCache (o) vs diffusers caches (x)")
-        fig.tight_layout()
-        fig.savefig(DOCS.parent / "transformer_cache.png", dpi=110)
-        lines.append("![speed vs error](transformer_cache.png)")
+        lines.append(save_plot(fig, "torchfix DeepCache (o) vs diffusers caches (x)", "transformer_cache.png", "speed vs error"))
     write_section("transformer-cache", "## DeepCache for transformers vs diffusers' caches\n\n" + "\n".join(lines))
     print("\n".join(lines))
     return 0

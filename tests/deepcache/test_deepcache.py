@@ -227,13 +227,14 @@ def test_timestep_forms_and_no_scheduler():
     torchfix.deepcache.remove(unet)
 
 
-def test_cache_holds_one_feature(sd15):
+def test_cache_holds_the_features_its_forecast_needs(sd15):
     torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=3, branch=0))
     generate(sd15, size=(64, 96))
     state = torchfix.deepcache.state_of(sd15)
     # branch 0 of SD1.5: the feature entering the last resnet of the last up block
     assert state.feature.shape == (2, 8, 8, 12)
-    assert torchfix.deepcache.stats(sd15)["cache_bytes"] == 2 * 8 * 8 * 12 * 4
+    # the last two full steps' features: the default linear forecast extrapolates from them
+    assert torchfix.deepcache.stats(sd15)["cache_bytes"] == 2 * (2 * 8 * 8 * 12 * 4)
 
 
 def _residuals(value=0.0):

@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["SCHEDULES", "DeepCacheConfig", "full_steps", "is_full_step"]
+__all__ = ["FAMILY_DEFAULTS", "SCHEDULES", "DeepCacheConfig", "for_family", "full_steps", "is_full_step", "must_run_full", "window"]
 
 SCHEDULES = ("uniform", "nonuniform")
 
@@ -38,7 +40,9 @@ class DeepCacheConfig:
             where the deep features change fastest; same speed, lower error).
         start, stop: the caching window as fractions of the steps; steps outside
             it are always full. Keeping the last steps full (``stop=0.9``)
-            sharpens details at little cost.
+            sharpens details at little cost. ``stop=None`` (the default): the best
+            measured for the model family (:data:`FAMILY_DEFAULTS`: a UNet caches to
+            the end, a transformer runs its last 10% of steps in full).
         power: for ``nonuniform``: how strongly full steps concentrate early
             (1.0 is uniform).
         num_steps: steps per generation, for a bare UNet driven without a
@@ -47,7 +51,22 @@ class DeepCacheConfig:
         keep_first, keep_last: for a diffusion transformer (SD3, Flux): how many
             blocks at the start and at the end of its block chain run on every
             step; the blocks in between are cached. Fewer kept blocks is faster
-            with more error. A UNet ignores them (``branch`` plays that role).
+            (and on the trained models no less exact: ``keep_first=None``, the
+            default, is 0). A UNet ignores them (``branch`` plays that role).
+        forecast: on a cached step, extrapolate the cached feature (UNet) or residual
+            (transformer) from the last ``forecast + 1`` full steps with finite
+            differences normalised by the step gap (0: reuse it as it was, as DeepCache
+            0.1.1 does; 1: linear; 2: quadratic), never further past the last full step
+            than the gap before it (:mod:`torchfix.deepcache.forecast`). Each order
+            holds one more feature per stream. ``None`` (the default): the best measured
+            for the model family (:data:`FAMILY_DEFAULTS`: linear for both).
+        threshold: refresh when the features move: a step inside the caching window is
+            cached only while what it starts from differs from the last full step's by
+            less than ``threshold`` (mean absolute difference over mean absolute value):
+            for a transformer, the hidden states entering the cached blocks (the output
+            of the blocks that always run); for a UNet, its input sample (what a cached
+            step recomputes from). ``interval`` then caps the run (at most
+            ``interval − 1`` cached steps after a full one). ``None``: the fixed schedule.
 
     >>> DeepCacheConfig(interval=4, branch=1).interval
     4
@@ -57,14 +76,17 @@ class DeepCacheConfig:
     branch: int = 0
     schedule: str = "uniform"
     start: float = 0.0
-    stop: float = 1.0
+    stop: float | None = None
     power: float = 1.6
     num_steps: int | None = None
-    keep_first: int = 1
+    keep_first: int | None = None
     keep_last: int = 1
+    forecast: int | None = None
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("interval", "branch", "keep_first", "keep_last"):
+        unset = {n for n in ("forecast", "keep_first") if getattr(self, n) is None}  # filled in per model family
+        for name in (n for n in ("interval", "branch", "keep_first", "keep_last", "forecast") if n not in unset):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"DeepCacheConfig.{name} must be an int, got {value!r}.")
@@ -73,11 +95,16 @@ class DeepCacheConfig:
         if self.branch < 0:
             raise ValueError(f"DeepCacheConfig.branch={self.branch} must be >= 0 (0 is the shallowest skip connection).")
         for name in ("keep_first", "keep_last"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"DeepCacheConfig.{name}={getattr(self, name)} must be >= 0 (transformer blocks always run).")
+        if self.forecast is not None and self.forecast not in (0, 1, 2):
+            raise ValueError(f"DeepCacheConfig.forecast={self.forecast} must be 0 (reuse), 1 (linear) or 2 (quadratic).")
+        number = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
+        if self.threshold is not None and not (number and self.threshold > 0):
+            raise ValueError(f"DeepCacheConfig.threshold={self.threshold!r} must be a positive number, or None for the fixed schedule.")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DeepCacheConfig.schedule={self.schedule!r} must be one of {SCHEDULES}.")
-        if not (0.0 <= self.start < self.stop <= 1.0):
+        if not (0.0 <= self.start < (FAMILY_DEFAULTS["transformer"]["stop"] if self.stop is None else self.stop) <= 1.0):
             raise ValueError(
                 f"DeepCacheConfig window start={self.start}, stop={self.stop} must satisfy 0 <= start < stop <= 1 "
                 "(fractions of the denoising steps)."
@@ -88,13 +115,37 @@ class DeepCacheConfig:
             raise ValueError(f"DeepCacheConfig.num_steps={self.num_steps!r} must be a positive int or None.")
 
 
+# What DeepCacheConfig() leaves as None, per model family: the best measured on the denoisers trained here
+# (benchmarks/caches.py, section "caches" of docs/benchmarks.md).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "unet": {"forecast": 1, "stop": 1.0, "keep_first": 1},
+    "transformer": {"forecast": 1, "stop": 0.9, "keep_first": 0},
+}
+
+
+def for_family(config: DeepCacheConfig, family: str) -> DeepCacheConfig:
+    """``config`` with what it leaves as ``None`` filled in for ``family`` (``"unet"`` or ``"transformer"``).
+
+    >>> for_family(DeepCacheConfig(interval=4), "transformer").stop
+    0.9
+    >>> for_family(DeepCacheConfig(interval=4, stop=1.0), "transformer").stop
+    1.0
+    """
+    unset = {k: v for k, v in FAMILY_DEFAULTS[family].items() if getattr(config, k) is None}
+    return dataclasses.replace(config, **unset) if unset else config
+
+
+def _stop(config: DeepCacheConfig) -> float:
+    return 1.0 if config.stop is None else config.stop
+
+
 @functools.lru_cache(maxsize=256)
 def full_steps(total: int, config: DeepCacheConfig) -> frozenset[int]:
     """Indices (0-based UNet calls of one generation) that run the full UNet."""
     if config.interval == 1 or total <= 1:
         return frozenset(range(total))
     lo = math.ceil(config.start * total)
-    hi = max(lo + 1, math.ceil(config.stop * total))
+    hi = max(lo + 1, math.ceil(_stop(config) * total))
     outside = set(range(lo)) | set(range(hi, total))
     width = hi - lo
     count = math.ceil(width / config.interval)
@@ -108,6 +159,31 @@ def full_steps(total: int, config: DeepCacheConfig) -> frozenset[int]:
                 pos += 1
             inside.add(min(pos, hi - 1))
     return frozenset(outside | inside | {0})
+
+
+def window(total: int | None, config: DeepCacheConfig) -> tuple[int, int | None]:
+    """``[lo, hi)``: the steps caching may skip (``hi`` None: open-ended)."""
+    if total is None:
+        return 1, None
+    lo = math.ceil(config.start * total)
+    return lo, max(lo + 1, math.ceil(_stop(config) * total))
+
+
+def must_run_full(index: int, total: int | None, config: DeepCacheConfig, cached_run: int) -> bool | None:
+    """With a ``threshold``: True where step ``index`` runs in full whatever the features do (the first step,
+    outside the window, or ``cached_run`` already at the cap), else ``None`` (the features decide).
+    Without one: :func:`is_full_step`.
+
+    >>> cfg = DeepCacheConfig(interval=4, threshold=0.1, stop=0.9)
+    >>> [must_run_full(i, 10, cfg, 0) for i in (0, 1, 9)], must_run_full(4, 10, cfg, 3)
+    ([True, None, True], True)
+    """
+    if config.threshold is None:
+        return is_full_step(index, total, config)
+    lo, hi = window(total, config)
+    if index == 0 or config.interval == 1 or index < lo or (hi is not None and index >= hi) or cached_run >= config.interval - 1:
+        return True
+    return None
 
 
 def is_full_step(index: int, total: int | None, config: DeepCacheConfig) -> bool:

@@ -27,7 +27,8 @@ from ..patches import instance
 from . import streams
 from ._graphs import forget_compiled
 from ._graphs import outside_graphs as _outside_graphs
-from .config import DeepCacheConfig, is_full_step
+from .config import DeepCacheConfig, for_family, must_run_full
+from .forecast import forecast, moved, remember
 from .layout import Layout, analyse
 from .shallow import shallow_forward
 from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
@@ -49,9 +50,16 @@ class _Stream:
 
     prompt: Any  # held, so the id it is keyed by stays unique
     step: int = 0
-    feature: torch.Tensor | None = None
+    history: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, deep feature) of the last full steps
+    reference: torch.Tensor | None = None  # with a threshold: the sample of the last full step
+    cached_run: int = 0  # cached steps since the last full one
     full: int = 0
     cached: int = 0
+
+    @property
+    def feature(self) -> torch.Tensor | None:
+        """The deep feature of the last full step."""
+        return self.history[-1][1] if self.history else None
 
 
 @dataclass
@@ -74,6 +82,7 @@ class DeepCacheState:
     total: int | None = None
     pending_new_call: bool = True
     capturing: bool = False
+    pending: torch.Tensor | None = None  # the deep feature of the full step in progress
     full_steps: int = 0
     cached_steps: int = 0
     generations: int = 0
@@ -95,7 +104,7 @@ class DeepCacheState:
 
     @property
     def cache_bytes(self) -> int:
-        return sum(0 if st.feature is None else st.feature.numel() * st.feature.element_size() for st in self.streams.values())
+        return sum(t.numel() * t.element_size() for st in self.streams.values() for _, t in st.history)
 
     def reset(self) -> None:
         """Forget every stream's feature and the current generation."""
@@ -103,6 +112,7 @@ class DeepCacheState:
         self.current = None
         self.signature = None
         self.pending_new_call = True
+        self.pending = None
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, DeepCacheState | TransformerCacheState] = weakref.WeakKeyDictionary()
@@ -134,7 +144,7 @@ def check(target: Any, config: DeepCacheConfig) -> Layout | TransformerLayout:
     """
     unet, _ = _resolve(target)
     if _is_transformer(unet) or getattr(target, "transformer", None) is unet:
-        return check_transformer(unet, config)
+        return check_transformer(unet, for_family(config, "transformer"))
     layout = analyse(unet)
     if config.branch >= layout.n_skips:
         raise ValueError(
@@ -189,6 +199,8 @@ def stats(target: Any) -> dict[str, Any]:
         "generations": state.generations,
         "reinstalls": state.reinstalls,
         "cache_bytes": state.cache_bytes,
+        "forecast": state.config.forecast,
+        "threshold": state.config.threshold,
     }
     if isinstance(state, TransformerCacheState):
         out["streams"] = state.last_streams
@@ -212,20 +224,41 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     if stream.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
         full = True
     else:
-        full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
+        full = must_run_full(index, state.total if state.total is not None else config.num_steps, config, stream.cached_run)
+        if full is None:  # the features decide: a UNet's cached step recomputes from the sample, so it is the signal
+            full = stream.reference is None or moved(sample, stream.reference) >= config.threshold
     if full:
         state.full_steps += 1
         stream.full += 1
+        stream.cached_run = 0
         state.capturing = True
+        if config.threshold is not None:
+            stream.reference = sample.detach()
     else:
         state.cached_steps += 1
         stream.cached += 1
+        stream.cached_run += 1
     return full
 
 
 @_outside_graphs
 def _done_full(state: DeepCacheState) -> None:
+    """After a full step: its deep feature joins the stream's history (eager: the history is a Python list)."""
     state.capturing = False
+    if state.pending is not None and state.current is not None:
+        remember(state.current.history, state.current.step - 1, state.pending, state.config.forecast)
+    state.pending = None
+
+
+@_outside_graphs
+def _cached_feature(state: DeepCacheState) -> torch.Tensor:
+    """The deep feature forecast for this cached step (eager: the step gaps are Python numbers)."""
+    stream = state.current
+    return forecast(stream.history, stream.step - 1, state.config.forecast)
+
+
+def _keep(state: DeepCacheState, feature: torch.Tensor) -> None:
+    state.pending = feature.detach()  # joins the stream's history after the call, outside any graph
 
 
 def _capture_hook(state_ref: weakref.ref[DeepCacheState], pre: bool) -> Any:
@@ -236,7 +269,7 @@ def _capture_hook(state_ref: weakref.ref[DeepCacheState], pre: bool) -> Any:
             state = state_ref()
             if state is not None and state.capturing and state.current is not None:
                 h = kwargs.get("hidden_states", args[0] if args else None)
-                state.current.feature = h.detach()
+                _keep(state, h)
 
         return hook
 
@@ -244,7 +277,7 @@ def _capture_hook(state_ref: weakref.ref[DeepCacheState], pre: bool) -> Any:
         state = state_ref()
         if state is not None and state.capturing and state.current is not None:
             h = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
-            state.current.feature = h.detach()
+            _keep(state, h)
 
     return hook_out
 
@@ -270,7 +303,8 @@ def _make_forward(unet: torch.nn.Module, state: DeepCacheState) -> Any:
                 finally:
                     _done_full(state)
             extra = arguments.pop("kwargs", None) or {}
-            return shallow_forward(unet_ref(), state.layout, state.config.branch, state.feature, **arguments, **extra)
+            feature = _cached_feature(state) if state.config.forecast else state.feature
+            return shallow_forward(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
         return forward
@@ -304,6 +338,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
         raise TypeError(f"torchfix.deepcache.apply: config must be a DeepCacheConfig, got {type(config).__name__}.")
     unet, pipe = _resolve(target)
     layout = check(unet, config)
+    config = for_family(config, "transformer" if isinstance(layout, TransformerLayout) else "unet")
     if unet in _STATES:
         remove(unet)
     if isinstance(layout, TransformerLayout):

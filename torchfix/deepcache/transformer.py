@@ -33,7 +33,8 @@ import torch
 from ..patches import instance
 from . import streams
 from ._graphs import outside_graphs
-from .config import DeepCacheConfig, is_full_step
+from .config import DeepCacheConfig, must_run_full
+from .forecast import forecast, moved, remember
 from .layout import UnsupportedUNetError
 
 __all__ = ["TransformerCacheState", "TransformerLayout", "analyse_transformer", "apply_transformer", "check_transformer"]
@@ -104,15 +105,21 @@ def check_transformer(model: torch.nn.Module, config: DeepCacheConfig) -> Transf
 class _Stream:
     prompt: Any  # the encoder_hidden_states object this stream is keyed by (held, so its id stays unique)
     step: int = 0
-    residual: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (text, image) added by the cached blocks
+    # (step, (text, image) residual added by the cached blocks) of the last full steps, oldest first
+    history: list[tuple[int, tuple[torch.Tensor | None, torch.Tensor]]] = field(default_factory=list)
+    reference: torch.Tensor | None = None  # with a threshold: the hidden states entering the cached blocks at the last full step
+    cached_run: int = 0  # cached steps since the last full one
     full: int = 0
     cached: int = 0
 
     @property
+    def residual(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        return self.history[-1][1] if self.history else None
+
+    @property
     def nbytes(self) -> int:
-        if self.residual is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in self.residual if t is not None)
+        held = [t for _, r in self.history for t in r if t is not None] + ([self.reference] if self.reference is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 @dataclass
@@ -127,10 +134,12 @@ class TransformerCacheState:
     signature: tuple | None = None  # (shape, dtype, device) of the latents the streams belong to
     total: int | None = None
     pending_new_call: bool = True
-    # per call: "full" (run and keep the residual), "cached" (reuse it) or "off" (run, keep nothing)
+    # per call: "full" (run and keep the residual), "cached" (reuse it), "probe" (the first cached block decides
+    # between the two from how far the features moved) or "off" (run, keep nothing)
     mode: str = "off"
     current: _Stream | None = None
     inputs: tuple[Any, Any] | None = None  # (text, image) entering the middle blocks on a full step
+    pending: tuple[Any, Any] | None = None  # the (text, image) residual of the full step in progress
     full_steps: int = 0
     cached_steps: int = 0
     generations: int = 0
@@ -152,6 +161,7 @@ class TransformerCacheState:
         self.pending_new_call = True
         self.current = None
         self.inputs = None
+        self.pending = None
         self.mode = "off"
 
 
@@ -173,15 +183,49 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     elif stream.residual is None:
         full, keep = True, config.interval > 1
     else:
-        full = is_full_step(index, state.total if state.total is not None else config.num_steps, config)
-        keep = full
+        full = must_run_full(index, state.total if state.total is not None else config.num_steps, config, stream.cached_run)
+        keep = full is not False
+    if full is None:
+        state.mode = "probe"  # counted when the first cached block has measured the features
+        return
     state.mode = "cached" if not full else ("full" if keep else "off")
+    _count(state, stream, full)
+
+
+def _count(state: TransformerCacheState, stream: _Stream, full: bool) -> None:
     if full:
         state.full_steps += 1
         stream.full += 1
+        stream.cached_run = 0
     else:
         state.cached_steps += 1
         stream.cached += 1
+        stream.cached_run += 1
+
+
+@outside_graphs
+def _cached_residual(state: TransformerCacheState) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The residual forecast for this cached step (eager: the step gaps are Python numbers)."""
+    stream = state.current
+    return forecast(stream.history, stream.step - 1, state.config.forecast)
+
+
+@outside_graphs
+def _keep(state: TransformerCacheState) -> None:
+    """After a call: a full step's residual joins its stream's history (eager: the history is a Python list)."""
+    if state.pending is not None and state.current is not None:
+        remember(state.current.history, state.current.step - 1, state.pending, state.config.forecast)
+    state.mode, state.inputs, state.pending = "off", None, None
+
+
+@outside_graphs
+def _probe(state: TransformerCacheState, hidden: torch.Tensor) -> None:
+    """A step the features decide: cached while the hidden states entering the cached blocks moved less than
+    the threshold since the last full step, else full. Eager: it reads a tensor's value."""
+    stream = state.current
+    full = stream.reference is None or moved(hidden, stream.reference) >= state.config.threshold
+    state.mode = "full" if full else "cached"
+    _count(state, stream, full)
 
 
 def _block_forward(state_ref: weakref.ref[TransformerCacheState], first: bool, last: bool) -> Any:
@@ -197,22 +241,27 @@ def _block_forward_of(state_ref: weakref.ref[TransformerCacheState], first: bool
         mode = state.mode if state is not None else "off"
         if mode == "off":
             return original(*args, **kwargs)
-        if mode == "cached" or first:
+        if mode != "full" or first:
             bound = sig.bind_partial(*args, **kwargs).arguments
             hidden, text = bound.get("hidden_states"), bound.get("encoder_hidden_states")
+        if mode == "probe" and first:
+            _probe(state, hidden)
+            mode = state.mode
         if mode == "cached":
             if not first:
                 return text, hidden
-            r_text, r_hidden = state.current.residual
+            r_text, r_hidden = _cached_residual(state) if state.config.forecast else state.current.residual
             return (text + r_text if r_text is not None and text is not None else text), hidden + r_hidden
         if first:
             state.inputs = (text, hidden)
+            if state.config.threshold is not None:
+                state.current.reference = hidden.detach()
         out = original(*args, **kwargs)
         if last and state.inputs is not None:
             text_in, hidden_in = state.inputs
             text_out, hidden_out = out
             r_text = (text_out - text_in).detach() if text_out is not None and text_in is not None else None
-            state.current.residual = (r_text, (hidden_out - hidden_in).detach())
+            state.pending = (r_text, (hidden_out - hidden_in).detach())  # kept by the model's forward, outside any graph
             state.inputs = None
         return out
 
@@ -231,7 +280,7 @@ def _model_forward(state: TransformerCacheState) -> Any:
             try:
                 return original(*args, **kwargs)
             finally:
-                state.mode, state.inputs = "off", None
+                _keep(state)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
         return forward

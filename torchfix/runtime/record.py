@@ -85,10 +85,12 @@ def note(spec: OpSpec, settings: Settings, finding: Finding, before: Mapping[str
         extra = f"; result {size:,} B in {dtype_name(result.dtype)}, +{over:,} B over the narrowest input"
         short = (f"{dtype_name(narrowest.dtype)}→{dtype_name(result.dtype)}", over)
     noted = dataclasses.replace(finding, actions=(Action(finding.guard, "noted", ""),), note=finding.note + extra)
-    chain = _frames.module_chain(2)
     site = _frames.call_site(2)
     internal = _frames.in_library(site)
-    record(spec, settings, noted, before, site, _frames.module_path(chain), "left as torch computes it", internal, short)
+    # A library's own promotion is counted apart and never warned: its site says enough, and the module
+    # chain (a walk over every frame's locals, most of this path's cost) is not read for it.
+    module = None if internal else _frames.module_path(_frames.module_chain(2))
+    record(spec, settings, noted, before, site, module, "left as torch computes it", internal, short)
 
 
 def observe(finding: Finding, before: Mapping[str, torch.Tensor], chain: Sequence[torch.nn.Module] | None) -> None:

@@ -1,0 +1,178 @@
+"""Forecast instead of reuse, and refresh when the features move: the extrapolation itself, and every
+guarantee of the plain cache kept with them (interval 1, fresh per call, remove, streams, compile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+from torchfix.deepcache import DeepCacheConfig
+from torchfix.deepcache.config import must_run_full
+from torchfix.deepcache.forecast import forecast, moved, remember
+
+pytest.importorskip("diffusers")
+
+from torchfix import testing
+from torchfix.testing import latents
+
+BUILDERS = {
+    "sd15": lambda: testing.tiny_sd15_pipeline(),
+    "sd3": lambda: testing.tiny_sd3_pipeline(layers=6),
+    "flux": lambda: testing.tiny_flux_pipeline(layers=2, single_layers=4),
+}
+CONFIGS = {
+    "forecast=1": DeepCacheConfig(interval=3, forecast=1),
+    "forecast=2, stop=0.9": DeepCacheConfig(interval=3, forecast=2, stop=0.9),
+    "threshold": DeepCacheConfig(interval=4, forecast=1, threshold=0.05, stop=0.9),
+}
+
+
+def t(*v):
+    return torch.tensor(v, dtype=torch.float64)
+
+
+def test_finite_differences_of_each_order_and_the_cap():
+    line = [(0, t(1.0)), (3, t(4.0))]
+    assert torch.equal(forecast(line, 5, 0), t(4.0))  # reuse
+    assert torch.allclose(forecast(line, 5, 1), t(6.0))  # slope 1 per step
+    assert torch.allclose(forecast(line, 9, 1), t(7.0))  # never further than the last gap (3 steps) past step 3
+    square = [(0, t(0.0)), (2, t(4.0)), (4, t(16.0))]
+    assert torch.allclose(forecast(square, 5, 2), t(25.0)) and torch.allclose(forecast(square, 6, 2), t(36.0))
+    assert torch.allclose(forecast(square[1:], 5, 2), t(22.0))  # too few points: the order drops to what they allow
+    pair = [(0, (None, t(0.0))), (2, (None, t(2.0)))]  # a transformer's (text, image) residual without text
+    assert forecast(pair, 3, 1)[0] is None and torch.allclose(forecast(pair, 3, 1)[1], t(3.0))
+
+
+def test_history_keeps_what_the_order_needs():
+    history = []
+    for i in range(5):
+        remember(history, i, t(float(i)), order=1)
+    assert [i for i, _ in history] == [3, 4]
+    remember(history, 5, t(5.0), order=0)
+    assert [i for i, _ in history] == [5]
+
+
+def test_moved_and_the_refresh_rule():
+    assert moved(t(1.0, 2.0), t(1.0, 2.0)) == 0.0 and abs(moved(t(1.1, 2.0), t(1.0, 2.0)) - 0.1 / 3) < 1e-6  # in float32
+    cfg = DeepCacheConfig(interval=3, threshold=0.1, stop=0.9)
+    assert must_run_full(0, 10, cfg, 0) and must_run_full(9, 10, cfg, 0)  # the first step; the full tail
+    assert must_run_full(4, 10, cfg, 0) is None and must_run_full(4, 10, cfg, 2) is True  # the features decide; the cap
+    with pytest.raises(ValueError, match="forecast"):
+        DeepCacheConfig(forecast=3)
+    with pytest.raises(ValueError, match="threshold"):
+        DeepCacheConfig(threshold=0)
+
+
+@pytest.fixture(params=sorted(BUILDERS))
+def pipe(request):
+    p = BUILDERS[request.param]()
+    yield p
+    torchfix.deepcache.remove(p)
+
+
+def test_interval_1_stays_bit_identical_and_remove_exact(pipe):
+    ref = latents(pipe, steps=5)
+    torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=1, forecast=2, threshold=0.05))
+    assert torch.equal(latents(pipe, steps=5), ref)
+    torchfix.deepcache.apply(pipe, CONFIGS["threshold"])
+    latents(pipe, steps=6)
+    torchfix.deepcache.remove(pipe)
+    assert torch.equal(latents(pipe, steps=5), ref)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_new_prompt_seed_or_size_is_a_fresh_cache(pipe, name):
+    cfg = CONFIGS[name]
+    torchfix.deepcache.apply(pipe, cfg)
+    latents(pipe, "a cat", steps=8, size=(64, 96))
+    runs = [("a dog", 0, (64, 96)), ("a dog", 1, (96, 64))]
+    after = [latents(pipe, p, steps=8, seed=seed, size=size) for p, seed, size in runs]
+    for (p, seed, size), got in zip(runs, after):
+        torchfix.deepcache.apply(pipe, cfg)
+        assert torch.equal(latents(pipe, p, steps=8, seed=seed, size=size), got), (name, p, seed, size)
+
+
+def test_forecast_changes_cached_steps_only_and_holds_order_plus_one_features(pipe):
+    ref = latents(pipe, steps=9)
+    outs, held = {}, {}
+    model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    for order in (0, 1, 2):
+        state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, forecast=order))
+        seen = []  # after each call (the cache is freed when the pipeline ends)
+        hook = model.register_forward_hook(lambda *a, seen=seen, state=state: seen.append([len(s.history) for s in state.streams.values()]))
+        try:
+            outs[order] = latents(pipe, steps=9)
+        finally:
+            hook.remove()
+        held[order] = seen[-1]
+        stats = torchfix.deepcache.stats(pipe)
+        assert (stats["full_steps"], stats["cached_steps"]) == (3, 6)  # the same steps are cached
+    assert held == {0: [1], 1: [2], 2: [3]}  # one stream (batched guidance), the features its order needs
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    assert all(torch.isfinite(o).all() and ((o - ref).norm() / ref.norm()) < 0.3 for o in outs.values())
+
+
+@pytest.mark.parametrize("kind", ["sd3", "sd15"])
+def test_refresh_follows_the_features(kind):
+    pipe = BUILDERS[kind]()
+    ref = latents(pipe, steps=10)
+    counts = {}
+    for threshold in (1e-9, 1e9):
+        torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=4, threshold=threshold, stop=0.9))
+        out = latents(pipe, steps=10)
+        stats = torchfix.deepcache.stats(pipe)
+        counts[threshold] = (stats["full_steps"], stats["cached_steps"])
+        if threshold < 1:
+            assert torch.equal(out, ref)  # features always "moved": every step ran in full
+    torchfix.deepcache.remove(pipe)
+    assert counts[1e-9] == (10, 0)
+    assert counts[1e9] == (4, 6)  # never moved: cached up to the cap (3 after each full step), step 9 full (the tail)
+
+
+def test_each_guidance_stream_forecasts_from_its_own_history():
+    pipe = testing.tiny_flux_pipeline(layers=2, single_layers=4)
+    kw = dict(negative_prompt="a dog", true_cfg_scale=3.0)
+    state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, forecast=1))
+    seen = []  # the streams' histories after each transformer call (the cache is freed when the pipeline ends)
+    hook = pipe.transformer.register_forward_hook(lambda *a: seen.append([list(s.history) for s in state.streams.values()]))
+    try:
+        both = latents(pipe, steps=9, **kw)
+    finally:
+        hook.remove()
+        torchfix.deepcache.remove(pipe)
+    last = seen[-1]
+    assert len(last) == 2 and all(len(h) == 2 for h in last)
+    assert not any(torch.equal(a[1][1], b[1][1]) for a in last[0] for b in last[1])
+    assert torch.isfinite(both).all()
+
+
+def test_compiled_forecasts_and_refreshes_need_no_recompile_across_steps():
+    from torch._dynamo.utils import counters
+
+    pipe = testing.tiny_flux_pipeline(layers=2, single_layers=2)
+    torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=4, forecast=1, threshold=0.05, stop=0.9))
+    eager = latents(pipe, steps=8)
+    pipe.transformer.compile(dynamic=False)
+    try:
+        for _ in range(2):  # the first generations compile each kind of step (probed, forced full, cached) where it first occurs
+            latents(pipe, steps=8)
+        counters.clear()
+        again = latents(pipe, steps=8)
+        latents(pipe, "a dog", steps=8, seed=3)
+        assert counters["stats"]["unique_graphs"] == 0  # then nothing new: no recompile per step, generation or prompt
+        assert ((again - eager).norm() / eager.norm()).item() < 1e-4
+    finally:
+        torch._dynamo.reset()
+        torchfix.deepcache.remove(pipe)
+
+
+def test_the_defaults_are_the_best_measured_per_family():
+    from torchfix.deepcache.config import FAMILY_DEFAULTS
+
+    unet = torchfix.deepcache.apply(BUILDERS["sd15"](), DeepCacheConfig(interval=4)).config
+    dit = torchfix.deepcache.apply(BUILDERS["sd3"](), DeepCacheConfig(interval=4)).config
+    assert (unet.forecast, unet.stop) == (1, 1.0) and (dit.forecast, dit.stop, dit.keep_first) == (1, 0.9, 0)
+    assert FAMILY_DEFAULTS["transformer"] == {"forecast": 1, "stop": 0.9, "keep_first": 0}
+    explicit = torchfix.deepcache.apply(BUILDERS["sd3"](), DeepCacheConfig(interval=4, forecast=0, stop=1.0, keep_first=1)).config
+    assert (explicit.forecast, explicit.stop, explicit.keep_first) == (0, 1.0, 1)  # what a user sets is kept

@@ -1,0 +1,86 @@
+"""Forecast a cached feature from the last full steps, and measure how far the features moved.
+
+On a cached step, plain DeepCache reuses the deep feature (UNet) or the middle blocks' residual
+(transformer) of the last full step as it was. A trained denoiser's features drift smoothly between
+steps, so extrapolating them from the last two or three full steps with finite differences
+(TaylorSeer's idea, normalised by the gap between the steps) is closer to what a full step would
+compute. The extrapolation never reaches further past the last full step than the last gap
+between full steps (uncapped extrapolation blows up), and ``DeepCacheConfig.interval`` caps how
+many cached steps follow one full step.
+
+Both functions run eagerly, outside compiled graphs: the step gaps are Python numbers that change
+every step, which a compiled graph would specialise on.
+
+>>> import torch
+>>> history = [(0, torch.tensor([0.0])), (3, torch.tensor([3.0]))]
+>>> forecast(history, 5, 1)
+tensor([5.])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._graphs import outside_graphs
+
+__all__ = ["forecast", "moved", "remember"]
+
+Value = Any  # a tensor, or a tuple of tensors and None (a transformer's (text, image) residual)
+
+
+def remember(history: list[tuple[int, Value]], index: int, value: Value, order: int) -> None:
+    """Append full step ``index``'s ``value``, keeping the ``order + 1`` newest (what ``order`` needs)."""
+    history.append((index, value))
+    del history[: max(len(history) - (order + 1), 0)]
+
+
+def _map(fn: Any, *values: Value) -> Value:
+    if isinstance(values[0], tuple):
+        return tuple(None if any(v is None for v in parts) else fn(*parts) for parts in zip(*values))
+    return fn(*values)
+
+
+@outside_graphs
+def forecast(history: list[tuple[int, Value]], index: int, order: int) -> Value:
+    """The value at step ``index`` extrapolated from ``history`` (oldest first) to ``order`` 0-2, with the
+    step reached past the newest full step capped at the gap before it.
+
+    >>> import torch
+    >>> h = [(0, torch.tensor([0.0])), (2, torch.tensor([4.0])), (4, torch.tensor([16.0]))]
+    >>> forecast(h, 5, 2)  # x**2 at 5, from 0, 2 and 4
+    tensor([25.])
+    """
+    i2, v2 = history[-1]
+    order = min(order, len(history) - 1)
+    if order == 0:
+        return v2
+    i1, v1 = history[-2]
+    step = min(index - i2, i2 - i1)  # never further out than the last gap
+    gap = i2 - i1
+    if order == 1:
+        return _map(lambda a, b: b + (b - a) * (step / gap), v1, v2)
+    i0, v0 = history[-3]
+    gap0 = i1 - i0
+
+    def quadratic(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        d1 = (c - b) / gap  # slope over the last gap
+        d0 = (b - a) / gap0
+        d2 = (d1 - d0) / ((gap + gap0) / 2)  # change of slope per step
+        # Newton's form about the newest point: c + slope·s + curvature·s·(s + gap)/2
+        return c + d1 * step + d2 * (step * (step + gap) / 2)
+
+    return _map(quadratic, v0, v1, v2)
+
+
+@outside_graphs
+def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
+    """How far ``now`` moved from ``ref``: ``mean|now − ref| / mean|ref|`` (FirstBlockCache's measure).
+
+    >>> import torch
+    >>> round(moved(torch.tensor([1.1, 2.0]), torch.tensor([1.0, 2.0])), 4)
+    0.0333
+    """
+    diff = (now.float() - ref.float()).abs().mean()
+    return float(diff / ref.float().abs().mean().clamp_min(1e-12))
