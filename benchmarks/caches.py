@@ -393,8 +393,16 @@ def main() -> int:
     results = dict(sorted(results.items(), key=lambda kv: (list(BUILDERS).index(kv[0][0]), not kv[0][1])))
     loads = ", ".join(f"{k} {v['load']:.1f}" for k, v in store.items() if (k.split("/")[0], k.endswith("trained")) in results)
 
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
     lines = [
-        f"Machine: {machine()}.",
+        f"Machine: {machine()}. cache-dit {ver('cache-dit')}, DeepCache {ver('DeepCache')}, scikit-learn {ver('scikit-learn')}.",
         "",
         f"`benchmarks/caches.py{' --quick' if args.quick else ''}` ({when}, {minutes:.0f} min of measuring; load average at the end "
         f"of each model: {loads}): {SIZE[0]}×{SIZE[1]}, "
