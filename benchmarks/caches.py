@@ -86,15 +86,15 @@ def torchfix_rows(transformer: bool, quick: bool) -> list[Row]:
     for interval in intervals:
         for order in (0, 1, 2):
             for stop in (1.0, 0.9):
-                rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=stop)))
+                rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=stop, keep_first=1)))
     if transformer:  # faster: only the last block runs on cached steps
-        for interval in (3, 4, 6, 8) if not quick else (4, 8):
+        for interval in (3, 4, 5, 6, 8) if not quick else (4, 8):
             for order in (1, 2):
                 rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=0.9, keep_first=0)))
         for cap in (4, 8):
             for threshold in (0.03, 0.06, 0.1, 0.2) if not quick else (0.06, 0.2):
                 for order in (1, 2):
-                    rows.append(row(DeepCacheConfig(interval=cap, threshold=threshold, forecast=order, stop=0.9)))
+                    rows.append(row(DeepCacheConfig(interval=cap, threshold=threshold, forecast=order, stop=0.9, keep_first=1)))
     return rows
 
 
