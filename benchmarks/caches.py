@@ -116,9 +116,24 @@ def deepcache_011_rows(quick: bool) -> list[Row]:
     return [row(i) for i in ((2, 3, 5) if quick else (2, 3, 4, 5, 6))]
 
 
+def faster_cache_config(pipe: Any, model: Any) -> Any:
+    """diffusers' FasterCache as both cache benchmarks run it: attention skip 2 at every timestep, the
+    unconditional batch every other step (guidance-distilled for Flux)."""
+    from diffusers import FasterCacheConfig
+
+    return FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=(-1, 1000),
+        unconditional_batch_skip_range=2,
+        unconditional_batch_timestep_skip_range=(-1, 1000),
+        tensor_format="BCHW",
+        is_guidance_distilled=type(model).__name__.startswith("Flux"),
+        current_timestep_callback=lambda: pipe.current_timestep,
+    )
+
+
 def diffusers_rows(transformer: bool, quick: bool) -> list[Row]:
     from diffusers import (
-        FasterCacheConfig,
         FirstBlockCacheConfig,
         MagCacheConfig,
         PyramidAttentionBroadcastConfig,
@@ -176,21 +191,7 @@ def diffusers_rows(transformer: bool, quick: bool) -> list[Row]:
                 ),
             )
         )
-    rows.append(
-        row(
-            "FasterCache spatial skip=2",
-            apply_faster_cache,
-            lambda p: FasterCacheConfig(
-                spatial_attention_block_skip_range=2,
-                spatial_attention_timestep_skip_range=(-1, 1000),
-                unconditional_batch_skip_range=2,
-                unconditional_batch_timestep_skip_range=(-1, 1000),
-                tensor_format="BCHW",
-                is_guidance_distilled=type(model_of(p)).__name__.startswith("Flux"),
-                current_timestep_callback=lambda: p.current_timestep,
-            ),
-        )
-    )
+    rows.append(row("FasterCache spatial skip=2", apply_faster_cache, lambda p: faster_cache_config(p, model_of(p))))
     if transformer:
         for t in (0.03, 0.06, 0.12, 0.24) if not quick else (0.06, 0.24):
             rows.append(

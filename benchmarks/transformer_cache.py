@@ -32,6 +32,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 from _common import machine, pareto, save_plot, write_section  # noqa: E402
+from caches import faster_cache_config  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.deepcache import DeepCacheConfig, analyse_transformer  # noqa: E402
@@ -133,17 +134,7 @@ def diffusers_rows(quick: bool) -> list[tuple[str, Callable[[Any], None], Callab
     rows.append(
         (
             "diffusers FasterCache spatial_attention_block_skip_range=2, timestep range (-1, 1000), tensor_format BCHW",
-            enable(
-                lambda p: FasterCacheConfig(
-                    spatial_attention_block_skip_range=2,
-                    spatial_attention_timestep_skip_range=(-1, 1000),
-                    unconditional_batch_skip_range=2,
-                    unconditional_batch_timestep_skip_range=(-1, 1000),
-                    tensor_format="BCHW",
-                    is_guidance_distilled=p.transformer.__class__.__name__.startswith("Flux"),
-                    current_timestep_callback=lambda: p.current_timestep,
-                )
-            ),
+            enable(lambda p: faster_cache_config(p, p.transformer)),
             disable,
         )
     )

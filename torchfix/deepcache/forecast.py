@@ -25,7 +25,7 @@ import torch
 
 from ._graphs import outside_graphs
 
-__all__ = ["forecast", "moved", "remember"]
+__all__ = ["for_this_step", "forecast", "keep_pending", "moved", "remember"]
 
 Value = Any  # a tensor, or a tuple of tensors and None (a transformer's (text, image) residual)
 
@@ -84,3 +84,23 @@ def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
     """
     diff = (now.float() - ref.float()).abs().mean()
     return float(diff / ref.float().abs().mean().clamp_min(1e-12))
+
+
+# A cache state (UNet or transformer) has ``current`` (the stream of the call in progress, with ``history``
+# and ``step``), ``config.forecast`` and ``pending`` (the value a full step produced, not yet in the history).
+
+
+@outside_graphs
+def for_this_step(state: Any) -> Value:
+    """The value forecast for the cached step in progress, from its stream's history (eager: the step
+    gaps are Python numbers)."""
+    stream = state.current
+    return forecast(stream.history, stream.step - 1, state.config.forecast)
+
+
+def keep_pending(state: Any) -> None:
+    """After a full step: the value it produced joins its stream's history, keeping what the order needs.
+    Called eagerly, outside any graph (the history is a Python list whose length a graph would guard on)."""
+    if state.pending is not None and state.current is not None:
+        remember(state.current.history, state.current.step - 1, state.pending, state.config.forecast)
+    state.pending = None

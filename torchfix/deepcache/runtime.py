@@ -28,7 +28,7 @@ from . import streams
 from ._graphs import forget_compiled
 from ._graphs import outside_graphs as _outside_graphs
 from .config import DeepCacheConfig, for_family, must_run_full
-from .forecast import forecast, moved, remember
+from .forecast import for_this_step, keep_pending, moved
 from .layout import Layout, analyse
 from .shallow import shallow_forward
 from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
@@ -245,16 +245,7 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
 def _done_full(state: DeepCacheState) -> None:
     """After a full step: its deep feature joins the stream's history (eager: the history is a Python list)."""
     state.capturing = False
-    if state.pending is not None and state.current is not None:
-        remember(state.current.history, state.current.step - 1, state.pending, state.config.forecast)
-    state.pending = None
-
-
-@_outside_graphs
-def _cached_feature(state: DeepCacheState) -> torch.Tensor:
-    """The deep feature forecast for this cached step (eager: the step gaps are Python numbers)."""
-    stream = state.current
-    return forecast(stream.history, stream.step - 1, state.config.forecast)
+    keep_pending(state)
 
 
 def _keep(state: DeepCacheState, feature: torch.Tensor) -> None:
@@ -303,7 +294,7 @@ def _make_forward(unet: torch.nn.Module, state: DeepCacheState) -> Any:
                 finally:
                     _done_full(state)
             extra = arguments.pop("kwargs", None) or {}
-            feature = _cached_feature(state) if state.config.forecast else state.feature
+            feature = for_this_step(state) if state.config.forecast else state.feature
             return shallow_forward(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ from ..patches import instance
 from . import streams
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig, must_run_full
-from .forecast import forecast, moved, remember
+from .forecast import for_this_step, keep_pending, moved
 from .layout import UnsupportedUNetError
 
 __all__ = ["TransformerCacheState", "TransformerLayout", "analyse_transformer", "apply_transformer", "check_transformer"]
@@ -204,18 +204,10 @@ def _count(state: TransformerCacheState, stream: _Stream, full: bool) -> None:
 
 
 @outside_graphs
-def _cached_residual(state: TransformerCacheState) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The residual forecast for this cached step (eager: the step gaps are Python numbers)."""
-    stream = state.current
-    return forecast(stream.history, stream.step - 1, state.config.forecast)
-
-
-@outside_graphs
 def _keep(state: TransformerCacheState) -> None:
     """After a call: a full step's residual joins its stream's history (eager: the history is a Python list)."""
-    if state.pending is not None and state.current is not None:
-        remember(state.current.history, state.current.step - 1, state.pending, state.config.forecast)
-    state.mode, state.inputs, state.pending = "off", None, None
+    keep_pending(state)
+    state.mode, state.inputs = "off", None
 
 
 @outside_graphs
@@ -250,7 +242,7 @@ def _block_forward_of(state_ref: weakref.ref[TransformerCacheState], first: bool
         if mode == "cached":
             if not first:
                 return text, hidden
-            r_text, r_hidden = _cached_residual(state) if state.config.forecast else state.current.residual
+            r_text, r_hidden = for_this_step(state) if state.config.forecast else state.current.residual
             return (text + r_text if r_text is not None and text is not None else text), hidden + r_hidden
         if first:
             state.inputs = (text, hidden)
