@@ -7,8 +7,8 @@
 For each tiny pipeline (SD1.5-like UNet; SD3-like, 8 joint blocks, CFG; Flux-like, 4 double + 8 single blocks),
 trained on scikit-learn's digits (benchmarks/train_denoisers.py) and with random weights, 20 steps at 128×128,
 prompts "a handwritten digit k": plain, torchfix DeepCache (fixed intervals with forecast orders 0-2 and a full
-last 10% of steps; on transformers also refresh-when-the-features-move thresholds), and every other cache that
-runs on the model: DeepCache 0.1.1 (UNet), diffusers 0.42's FirstBlockCache, TaylorSeer (attention and whole
+last 10% of steps; on transformers also refresh-when-the-features-move thresholds, and on Flux keep_last=0), and
+every other cache that runs on the model: DeepCache 0.1.1 (UNet), diffusers 0.42's FirstBlockCache, TaylorSeer (attention and whole
 blocks), MagCache (calibrated on this model first), PyramidAttentionBroadcast, FasterCache, and cache-dit's
 DBCache (with and without its TaylorSeer calibrator). Each row: work speedup (plain FLOPs ÷ cached FLOPs,
 counted by torch, attention included), wall speedup (plain and cached timed one after the other), and rel-L2 of
@@ -65,7 +65,9 @@ def generate(pipe: Any, text: str) -> torch.Tensor:
 # --- the rows ------------------------------------------------------------------------------------------
 
 
-def torchfix_rows(transformer: bool, quick: bool) -> list[Row]:
+def torchfix_rows(kind: str, quick: bool) -> list[Row]:
+    transformer = kind != "sd15"
+
     def row(cfg: DeepCacheConfig) -> Row:
         parts = [f"interval={cfg.interval}", f"forecast={cfg.forecast}"]
         if cfg.stop < 1:
@@ -74,6 +76,8 @@ def torchfix_rows(transformer: bool, quick: bool) -> list[Row]:
             parts.append(f"threshold={cfg.threshold}")
         if transformer and cfg.keep_first != 1:
             parts.append(f"keep_first={cfg.keep_first}")
+        if transformer and cfg.keep_last != 1:
+            parts.append(f"keep_last={cfg.keep_last}")
 
         def on(p: Any) -> Callable[[], None]:
             torchfix.deepcache.apply(p, cfg)
@@ -86,15 +90,20 @@ def torchfix_rows(transformer: bool, quick: bool) -> list[Row]:
     for interval in intervals:
         for order in (0, 1, 2):
             for stop in (1.0, 0.9):
-                rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=stop, keep_first=1)))
+                rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=stop, keep_first=1, keep_last=1)))
     if transformer:  # faster: only the last block runs on cached steps
         for interval in (3, 4, 5, 6, 8) if not quick else (4, 8):
             for order in (1, 2):
-                rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=0.9, keep_first=0)))
+                rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=0.9, keep_first=0, keep_last=1)))
+        if kind == "flux":  # its last block keeps the text stream: nothing needs to run on a cached step
+            for interval in intervals:
+                for stop in (1.0, 0.95, 0.9):
+                    rows.append(row(DeepCacheConfig(interval=interval, forecast=1, stop=stop, keep_first=0, keep_last=0)))
         for cap in (4, 8):
             for threshold in (0.03, 0.06, 0.1, 0.2) if not quick else (0.06, 0.2):
                 for order in (1, 2):
-                    rows.append(row(DeepCacheConfig(interval=cap, threshold=threshold, forecast=order, stop=0.9, keep_first=1)))
+                    cfg = DeepCacheConfig(interval=cap, threshold=threshold, forecast=order, stop=0.9, keep_first=1, keep_last=1)
+                    rows.append(row(cfg))
     return rows
 
 
@@ -260,7 +269,7 @@ def run_model(kind: str, trained: bool, quick: bool) -> list[dict[str, Any]]:
     generate(pipe, PROMPTS[0])  # warm-up
     refs = [generate(pipe, t) for t in PROMPTS]
     plain_flops = flops(lambda: generate(pipe, PROMPTS[0]))
-    rows = torchfix_rows(transformer, quick)
+    rows = torchfix_rows(kind, quick)
     if transformer:
         problem = calibrate_magcache(build)
         rows += [r for r in diffusers_rows(True, quick) if "MagCache" not in r[0] or not problem] + cache_dit_rows(quick)

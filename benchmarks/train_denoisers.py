@@ -11,8 +11,9 @@ guidance has an unconditional branch to work with. Objective: the pipeline's own
 DDIM scheduler's noise schedule; SD3/Flux: rectified flow, velocity ε − x₀ at logit-normal σ). AdamW, batch
 32, one torch thread, seeded.
 
-Check: each model samples 2 images per digit with its pipeline (20 steps, the pipeline's own guidance) and
-each sample is classified by the nearest class mean of the training latents; chance is 10%. The checkpoint
+Check: each model samples 2 latents per digit with its pipeline (20 steps, the pipeline's own guidance):
+how near they land to the training latents (against an untrained model's samples), and the prompted digit by
+each sample's 5 nearest training latents; chance is 10%. The checkpoint
 (``save_pretrained``), the loss curve and the check are written under benchmarks/_trained.py's cache_dir().
 """
 

@@ -107,7 +107,9 @@ def test_forecast_changes_cached_steps_only_and_holds_order_plus_one_features(pi
             hook.remove()
         held[order] = seen[-1]
         stats = torchfix.deepcache.stats(pipe)
-        assert (stats["full_steps"], stats["cached_steps"]) == (3, 6)  # the same steps are cached
+        full = len(torchfix.deepcache.full_steps(9, state.schedule or state.config))
+        warm = stats["warm_up"]  # False with forecast=0, and on SD3's shift-3 schedule (below)
+        assert (stats["full_steps"], stats["cached_steps"]) == (full, 9 - full) == ((4, 5) if warm else (3, 6))
     assert held == {0: [1], 1: [2], 2: [3]}  # one stream (batched guidance), the features its order needs
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
     assert all(torch.isfinite(o).all() and ((o - ref).norm() / ref.norm()) < 0.3 for o in outs.values())
@@ -172,7 +174,29 @@ def test_the_defaults_are_the_best_measured_per_family():
 
     unet = torchfix.deepcache.apply(BUILDERS["sd15"](), DeepCacheConfig(interval=4)).config
     dit = torchfix.deepcache.apply(BUILDERS["sd3"](), DeepCacheConfig(interval=4)).config
-    assert (unet.forecast, unet.stop) == (1, 1.0) and (dit.forecast, dit.stop, dit.keep_first) == (1, 0.9, 0)
+    assert (unet.forecast, unet.stop) == (2, 1.0) and (dit.forecast, dit.stop, dit.keep_first) == (1, 0.9, 0)
     assert FAMILY_DEFAULTS["transformer"] == {"forecast": 1, "stop": 0.9, "keep_first": 0}
+    flux = torchfix.deepcache.apply(BUILDERS["flux"](), DeepCacheConfig(interval=4)).config
+    assert (dit.keep_last, flux.keep_last) == (1, 0)  # SD3's last block drops the text stream and must run; Flux's need not
+    assert torchfix.deepcache.apply(BUILDERS["flux"](), DeepCacheConfig(interval=4, keep_last=2)).config.keep_last == 2
     explicit = torchfix.deepcache.apply(BUILDERS["sd3"](), DeepCacheConfig(interval=4, forecast=0, stop=1.0, keep_first=1)).config
     assert (explicit.forecast, explicit.stop, explicit.keep_first) == (0, 1.0, 1)  # what a user sets is kept
+
+
+@pytest.mark.parametrize(("kind", "warm"), [("sd15", True), ("flux", True), ("sd3", False)])
+def test_the_scheduler_decides_the_warm_up(kind, warm):
+    """With a forecast the second full step comes at step 2 where the schedule's first step moves the timestep
+    at least half as much as its average step (SD1.5's and Flux's schedulers); SD3's shift-3 schedule barely
+    moves at first and keeps DeepCache's steps. warm_up=True/False overrides it."""
+    pipe = BUILDERS[kind]()
+    state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, stop=1.0))
+    latents(pipe, steps=9)
+    stats = torchfix.deepcache.stats(pipe)
+    assert stats["warm_up"] is warm and (stats["full_steps"], stats["cached_steps"]) == ((4, 5) if warm else (3, 6))
+    torchfix.deepcache.remove(pipe)
+    state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, stop=1.0, warm_up=not warm))
+    latents(pipe, steps=9)
+    assert state.schedule is None and torchfix.deepcache.stats(pipe)["warm_up"] is (not warm)
+    torchfix.deepcache.remove(pipe)
+    with pytest.raises(TypeError, match="warm_up"):
+        DeepCacheConfig(warm_up="yes")

@@ -17,7 +17,7 @@ from diffusers import DPMSolverMultistepScheduler, StableDiffusionImg2ImgPipelin
 from torchfix.testing import latents, tiny_sd3_pipeline, tiny_sd15_pipeline
 
 CFG = torchfix.DeepCacheConfig(interval=3, branch=0)
-STEPS = 9  # interval 3: full steps 0, 3, 6
+STEPS = 9  # interval 3 with a forecast: full steps 0, 2, 5, 8
 
 
 def last(target):
@@ -44,7 +44,7 @@ def test_a_compiled_unet_caches_and_stats_and_remove_see_through_the_wrapper(ord
         pipe.unet = torch.compile(pipe.unet, backend="eager")
     out = latents(pipe, steps=STEPS)
     assert torch.equal(out, cached_reference())  # what eager DeepCache computes
-    assert last(pipe) == (3, 6)
+    assert last(pipe) == (4, 5)
     for target in (pipe, pipe.unet, original):
         assert deepcache.stats(target)["applied"] and deepcache.state_of(target) is deepcache.state_of(original)
     deepcache.remove(pipe)
@@ -59,7 +59,7 @@ def test_model_offload_keeps_caching_on_every_call():
     reference = cached_reference()
     for _ in range(3):  # maybe_free_model_hooks re-installs accelerate's forward after every call
         assert torch.equal(latents(pipe, steps=STEPS), reference)
-        assert last(pipe) == (3, 6)
+        assert last(pipe) == (4, 5)
     stats = deepcache.stats(pipe)
     assert stats["reinstalls"] >= 2 and stats["applied"]
     deepcache.remove(pipe)
@@ -88,11 +88,11 @@ def test_wrap_caches_only_its_own_calls_and_a_from_pipe_sibling_runs_untouched()
     plain_img2img = latents(img2img, steps=STEPS, image=image, strength=0.8)
     w = torchfix.wrap(base, deepcache=CFG)
     assert torch.equal(latents(w, steps=STEPS), cached_reference())
-    assert last(w) == (3, 6)
+    assert last(w) == (4, 5)
     assert torch.equal(latents(img2img, steps=STEPS, image=image, strength=0.8), plain_img2img)  # bit for bit uncached
-    assert last(w) == (3, 6) and deepcache.stats(base)["scoped"]  # the sibling's call ran no DeepCache step
+    assert last(w) == (4, 5) and deepcache.stats(base)["scoped"]  # the sibling's call ran no DeepCache step
     own_loop = base.unet(torch.randn(1, 4, 8, 8), 10, torch.randn(1, 77, 32)).sample
-    assert own_loop.shape == (1, 4, 8, 8) and last(w) == (3, 6)  # a user's own call: untouched too
+    assert own_loop.shape == (1, 4, 8, 8) and last(w) == (4, 5)  # a user's own call: untouched too
     assert torch.equal(latents(w, steps=STEPS), cached_reference())
     w.unwrap()
 
@@ -136,7 +136,7 @@ def test_wrap_to_returns_the_wrapper_and_keeps_deepcache():
     w = torchfix.wrap(tiny_sd15_pipeline(), deepcache=CFG)
     moved = w.to("cpu")
     assert moved is w and isinstance(moved, torchfix.pipeline.PipelineProxy)
-    assert torch.equal(latents(moved, steps=STEPS), cached_reference()) and last(w) == (3, 6)
+    assert torch.equal(latents(moved, steps=STEPS), cached_reference()) and last(w) == (4, 5)
     assert w.unet is w.__wrapped__.unet and w.scheduler is w.__wrapped__.scheduler  # other attributes pass through
     w.unwrap()
 
@@ -153,7 +153,7 @@ def test_a_transformer_under_offload_and_scope():
     w = torchfix.wrap(pipe, deepcache=cfg)
     for _ in range(2):
         assert torch.equal(latents(w, steps=STEPS), reference)
-        assert last(w) == (3, 6)
+        assert last(w) == (3, 6)  # SD3's shift-3 schedule: no warm-up, full steps 0, 3, 6
     assert torch.equal(latents(pipe, steps=STEPS), plain)  # the bare pipeline, outside wrap's calls
     w.unwrap()
 
@@ -186,5 +186,5 @@ def test_a_graph_compiled_before_deepcache_went_in_does_not_skip_it():
     deepcache.apply(pipe, CFG)
     pipe.unet = torch.compile(pipe.unet, backend="eager")
     assert torch.equal(latents(pipe, steps=STEPS), cached_reference())
-    assert last(pipe) == (3, 6)
+    assert last(pipe) == (4, 5)
     deepcache.remove(pipe)

@@ -54,8 +54,9 @@ def test_cached_steps_skip_the_middle_blocks_and_stay_close(pipe):
     finally:
         handle.remove()
     s = torchfix.deepcache.stats(pipe)
-    assert (s["full_steps"], s["cached_steps"], s["streams"]) == (3, 6, 1)
-    assert len(calls) == 3  # the middle block ran on the full steps only
+    full = (0, 2, 5, 8) if s["warm_up"] else (0, 3, 6)  # Flux's schedule warms up, SD3's shift-3 one does not
+    assert (s["full_steps"], s["cached_steps"], s["streams"]) == (len(full), 9 - len(full), 1)
+    assert len(calls) == len(full)  # the middle block ran on the full steps only
     assert rel(out, ref) < 0.05
 
 
@@ -82,7 +83,7 @@ def test_each_guidance_stream_keeps_its_own_cache():
     finally:
         hook.remove()
     s = torchfix.deepcache.stats(pipe)
-    assert (s["streams"], s["full_steps"], s["cached_steps"]) == (2, 6, 12)
+    assert (s["streams"], s["full_steps"], s["cached_steps"]) == (2, 8, 10)
     assert rel(out, ref) < 0.05
     # one stream keyed by the text alone would hand the positive residual to the negative call
     both = [r for r in seen if len(r) == 2]
@@ -141,6 +142,6 @@ def test_torch_compile_needs_no_recompile_across_steps_or_generations():
         # run eagerly between graphs: 3 graphs with forecast=0); then nothing new
         assert graphs <= 12 and counters["stats"]["unique_graphs"] == 0
         assert torch.equal(first, second) and rel(first, eager) < 1e-5
-        assert torchfix.deepcache.stats(pipe)["cached_steps"] == 12  # decisions still made per call
+        assert torchfix.deepcache.stats(pipe)["cached_steps"] == 9  # decisions still made per call
     finally:
         torch._dynamo.reset()

@@ -227,3 +227,25 @@ def test_torchscript_sees_through_the_wrappers_of_torch_builtins():
     assert compilers._scripted == {}  # every registration dropped with the wrappers
     table = torch.jit._builtins._get_builtin_table()
     assert all(table.get(id(p.original)) for p in PATCHES if p.label in ("torch.cat", "torch.nn.functional.linear"))
+
+
+def test_torchscript_compiles_torchs_own_python_functions_under_the_wrappers():
+    """torch.jit.script of nn.LayerNorm / nn.GroupNorm failed while torchfix was on ("undefined value
+    has_torch_function_variadic"): TorchScript compiled F.layer_norm's source with the wrapper's globals."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(4)
+            self.gn = torch.nn.GroupNorm(2, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ln(self.gn(x)) + torch.nn.functional.layer_norm(x, (4,))
+
+    net, x = Net().eval(), torch.randn(2, 4, 3, 4)
+    torchfix.disable()
+    want = net(x)
+    with torchfix.enabled():
+        scripted = torch.jit.script(net)
+        assert torch.equal(scripted(x), want)
+    assert torch.equal(scripted(x), want)

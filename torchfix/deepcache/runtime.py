@@ -27,11 +27,11 @@ from ..patches import instance
 from . import streams
 from ._graphs import forget_compiled
 from ._graphs import outside_graphs as _outside_graphs
-from .config import DeepCacheConfig, for_family, must_run_full
+from .config import DeepCacheConfig, for_family, must_run_full, warms_up
 from .forecast import for_this_step, keep_pending, moved
 from .layout import Layout, analyse
 from .shallow import shallow_forward
-from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer
+from .transformer import TransformerCacheState, TransformerLayout, apply_transformer, check_transformer, transformer_config
 
 __all__ = ["DeepCacheState", "apply", "new_call", "remove", "state_of", "stats"]
 
@@ -80,6 +80,8 @@ class DeepCacheState:
     current: _Stream | None = None  # the stream of the call in progress (or the last one)
     signature: tuple | None = None  # (shape, dtype, device) of the sample the streams belong to
     total: int | None = None
+    # the config this generation's steps follow: ``config`` with ``warm_up`` decided from the scheduler's timesteps
+    schedule: DeepCacheConfig | None = None
     pending_new_call: bool = True
     capturing: bool = False
     pending: torch.Tensor | None = None  # the deep feature of the full step in progress
@@ -144,7 +146,7 @@ def check(target: Any, config: DeepCacheConfig) -> Layout | TransformerLayout:
     """
     unet, _ = _resolve(target)
     if _is_transformer(unet) or getattr(target, "transformer", None) is unet:
-        return check_transformer(unet, for_family(config, "transformer"))
+        return check_transformer(unet, transformer_config(unet, config))
     layout = analyse(unet)
     if config.branch >= layout.n_skips:
         raise ValueError(
@@ -201,6 +203,7 @@ def stats(target: Any) -> dict[str, Any]:
         "cache_bytes": state.cache_bytes,
         "forecast": state.config.forecast,
         "threshold": state.config.threshold,
+        "warm_up": warms_up(state.schedule or state.config),
     }
     if isinstance(state, TransformerCacheState):
         out["streams"] = state.last_streams
@@ -220,7 +223,7 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     stream = streams.enter(state, sample, prompt, _Stream)
     index = stream.step
     stream.step += 1
-    config = state.config
+    config = state.schedule or state.config
     if stream.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
         full = True
     else:
@@ -329,7 +332,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
         raise TypeError(f"torchfix.deepcache.apply: config must be a DeepCacheConfig, got {type(config).__name__}.")
     unet, pipe = _resolve(target)
     layout = check(unet, config)
-    config = for_family(config, "transformer" if isinstance(layout, TransformerLayout) else "unet")
+    config = transformer_config(unet, config) if isinstance(layout, TransformerLayout) else for_family(config, "unet")
     if unet in _STATES:
         remove(unet)
     if isinstance(layout, TransformerLayout):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import weakref
@@ -19,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ..patches import instance
+from .config import early_steps_move
 
 __all__ = ["MAX_STREAMS", "engaged", "ensure_installed", "enter", "follow_scheduler", "in_call_path", "last_call", "scoped"]
 
@@ -106,6 +108,9 @@ def _restart(state: Any, scheduler: Any) -> None:
     state.reset()
     timesteps = getattr(scheduler, "timesteps", None)
     state.total = len(timesteps) if timesteps is not None else None
+    config = state.config
+    if config.warm_up is None and timesteps is not None:  # the schedule decides: an early second full step pays only
+        state.schedule = dataclasses.replace(config, warm_up=early_steps_move(timesteps.tolist()))  # where it moves early
 
 
 def _hook_scheduler(state: Any, scheduler: Any) -> None:

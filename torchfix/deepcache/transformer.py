@@ -21,6 +21,7 @@ stream counts its own calls; the first call of each stream is a full step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -33,11 +34,18 @@ import torch
 from ..patches import instance
 from . import streams
 from ._graphs import outside_graphs
-from .config import DeepCacheConfig, must_run_full
+from .config import DeepCacheConfig, for_family, must_run_full
 from .forecast import for_this_step, keep_pending, moved
 from .layout import UnsupportedUNetError
 
-__all__ = ["TransformerCacheState", "TransformerLayout", "analyse_transformer", "apply_transformer", "check_transformer"]
+__all__ = [
+    "TransformerCacheState",
+    "TransformerLayout",
+    "analyse_transformer",
+    "apply_transformer",
+    "check_transformer",
+    "transformer_config",
+]
 
 log = logging.getLogger("torchfix")
 
@@ -81,6 +89,17 @@ def analyse_transformer(model: torch.nn.Module) -> TransformerLayout:
             "SD3/SD3.5 (SD3Transformer2DModel) and Flux (FluxTransformer2DModel) layouts."
         )
     return TransformerLayout(tuple(names), tuple(blocks))
+
+
+def transformer_config(model: torch.nn.Module, config: DeepCacheConfig) -> DeepCacheConfig:
+    """``config`` with what it leaves as ``None`` filled in for this transformer: the family's defaults, and
+    ``keep_last`` 0 where the last block keeps the text stream (Flux), 1 where it drops it (SD3's
+    ``context_pre_only``: it must run)."""
+    config = for_family(config, "transformer")
+    if config.keep_last is None:
+        last = analyse_transformer(model).blocks[-1]
+        config = dataclasses.replace(config, keep_last=1 if getattr(last, "context_pre_only", False) else 0)
+    return config
 
 
 def check_transformer(model: torch.nn.Module, config: DeepCacheConfig) -> TransformerLayout:
@@ -133,6 +152,8 @@ class TransformerCacheState:
     streams: dict[int, _Stream] = field(default_factory=dict)
     signature: tuple | None = None  # (shape, dtype, device) of the latents the streams belong to
     total: int | None = None
+    # the config this generation's steps follow: ``config`` with ``warm_up`` decided from the scheduler's timesteps
+    schedule: DeepCacheConfig | None = None
     pending_new_call: bool = True
     # per call: "full" (run and keep the residual), "cached" (reuse it), "probe" (the first cached block decides
     # between the two from how far the features moved) or "off" (run, keep nothing)
@@ -177,7 +198,7 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     state.last_streams = len(state.streams)
     index = stream.step
     stream.step += 1
-    config = state.config
+    config = state.schedule or state.config
     if any(arguments.get(name) is not None for name in _FULL_ONLY):
         full, keep = True, False
     elif stream.residual is None:

@@ -423,6 +423,11 @@ def _maker(spec: OpSpec) -> Callable[[Wrapper], Wrapper]:
         except AttributeError:  # some builtins lack attributes; keep what exists
             wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
         wrapper.__torchfix_spec__ = spec  # type: ignore[attr-defined]
+        # TorchScript compiles a Python function it meets (F.layer_norm, F.group_norm) from its source, which
+        # inspect finds through __wrapped__, but with the wrapper's globals, where F's helpers are undefined: it
+        # asks __prepare_scriptable__ for what to compile, and scripted code calls torch's function as it would
+        # without torchfix (builtins such as F.linear go through compilers.sync's table instead).
+        wrapper.__prepare_scriptable__ = lambda: orig  # type: ignore[attr-defined]
         return wrapper
 
     return make
