@@ -104,13 +104,15 @@ def ensure_installed(state: Any) -> int:
 
 
 def _restart(state: Any, scheduler: Any) -> None:
-    """A new generation, with the step count ``scheduler`` has set."""
+    """A new generation, with the step count ``scheduler`` has set (and, where ``warm_up`` is left to it, whether
+    its timesteps call for a warm-up)."""
     state.reset()
     timesteps = getattr(scheduler, "timesteps", None)
     state.total = len(timesteps) if timesteps is not None else None
     config = state.config
     if config.warm_up is None and timesteps is not None:  # the schedule decides: an early second full step pays only
-        state.schedule = dataclasses.replace(config, warm_up=early_steps_move(timesteps.tolist()))  # where it moves early
+        values = timesteps.tolist() if hasattr(timesteps, "tolist") else list(timesteps)  # a tensor, an array, a list
+        state.schedule = dataclasses.replace(config, warm_up=early_steps_move(values))  # where it moves early
 
 
 def _hook_scheduler(state: Any, scheduler: Any) -> None:
