@@ -193,6 +193,7 @@ def test_the_scheduler_decides_the_warm_up(kind, warm):
     latents(pipe, steps=9)
     stats = torchfix.deepcache.stats(pipe)
     assert stats["warm_up"] is warm and (stats["full_steps"], stats["cached_steps"]) == ((4, 5) if warm else (3, 6))
+    assert state.schedule.warm_up is warm and state.config.warm_up is None  # decided per generation, the config untouched
     torchfix.deepcache.remove(pipe)
     state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, stop=1.0, warm_up=not warm))
     latents(pipe, steps=9)
