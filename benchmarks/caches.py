@@ -78,6 +78,8 @@ def torchfix_rows(kind: str, quick: bool) -> list[Row]:
             parts.append(f"keep_first={cfg.keep_first}")
         if transformer and cfg.keep_last != 1:
             parts.append(f"keep_last={cfg.keep_last}")
+        if cfg.sensitivity is not None:
+            parts.append(f"sensitivity={cfg.sensitivity}")
 
         def on(p: Any) -> Callable[[], None]:
             torchfix.deepcache.apply(p, cfg)
@@ -99,6 +101,12 @@ def torchfix_rows(kind: str, quick: bool) -> list[Row]:
             for interval in intervals:
                 for stop in (1.0, 0.95, 0.9):
                     rows.append(row(DeepCacheConfig(interval=interval, forecast=1, stop=stop, keep_first=0, keep_last=0)))
+        # the measured sensitivity (the default) against a fixed one: 1.0 adds the forecast residual to the input (as
+        # before), 0.0 forecasts the blocks' output (TaylorSeer's whole-block forecast)
+        for interval in (3, 4) if kind == "flux" else (3, 4, 6):
+            for s in (1.0, 0.0):
+                kw = dict(stop=1.0, keep_last=0) if kind == "flux" else dict(stop=0.9, keep_last=1)
+                rows.append(row(DeepCacheConfig(interval=interval, forecast=1, keep_first=0, sensitivity=s, **kw)))
         for cap in (4, 8):
             for threshold in (0.03, 0.06, 0.1, 0.2) if not quick else (0.06, 0.2):
                 for order in (1, 2):

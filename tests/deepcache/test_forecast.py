@@ -201,3 +201,70 @@ def test_the_scheduler_decides_the_warm_up(kind, warm):
     torchfix.deepcache.remove(pipe)
     with pytest.raises(TypeError, match="warm_up"):
         DeepCacheConfig(warm_up="yes")
+
+
+def test_sensitivity_is_the_share_of_an_input_error_the_blocks_pass_through():
+    from torchfix.deepcache.forecast import sensitivity
+
+    e_in = t(1.0, -2.0, 0.5, 3.0)
+    assert abs(sensitivity(-0.7 * e_in, e_in) - 0.3) < 1e-6  # the blocks undo 70% of an input change
+    assert sensitivity(torch.zeros(4, dtype=torch.float64), e_in) == 1.0  # they pass it through: the residual forecast
+    assert sensitivity(-3.0 * e_in, e_in) == 0.0 and sensitivity(2.0 * e_in, e_in) == 1.0  # kept in [0, 1]
+    assert sensitivity(e_in, torch.zeros(4)) is None  # an input forecast exactly (a fixed text stream): nothing measured
+    orthogonal = t(2.0, 1.0, 0.0, 0.0)  # a residual error unrelated to the input's does not move the slope
+    assert abs(sensitivity(-0.5 * e_in + orthogonal, e_in) - 0.5) < 1e-6
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="sensitivity"):
+            DeepCacheConfig(sensitivity=bad)
+
+
+class _Block(torch.nn.Module):
+    """An affine block, ``c·x + b``: a chain of them returns ``C·x + B`` for any input."""
+
+    def __init__(self, c: float, b: torch.Tensor):
+        super().__init__()
+        self.c = c
+        self.register_buffer("b", b)
+
+    def forward(self, hidden_states, encoder_hidden_states=None, temb=None):
+        return encoder_hidden_states, self.c * hidden_states + self.b
+
+
+class _AffineTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        biases = [torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+        self.transformer_blocks = torch.nn.ModuleList(_Block(c, b) for c, b in zip((0.9, 0.5, 0.8), biases))
+
+    def forward(self, hidden_states, encoder_hidden_states=None, timestep=None):
+        for block in self.transformer_blocks:
+            encoder_hidden_states, hidden_states = block(hidden_states, encoder_hidden_states, timestep)
+        return hidden_states
+
+
+def test_a_measured_sensitivity_makes_cached_steps_exact_on_affine_blocks():
+    """On blocks whose output is ``C·in + B`` (C = 0.36 here), a cached step that adds the forecast residual to
+    its input is off by ``(1 − C)·(in − forecast_in)`` wherever the input does not move on a line; once one full
+    step has measured the sensitivity (it is C), every later cached step returns what the blocks would have."""
+    model = _AffineTransformer()
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
+    text = torch.zeros(2, 8, dtype=torch.float64)
+    inputs = [a + b * (k / 4) ** 2 for k in range(12)]  # moves on a curve: a linear forecast of it is off
+    plain = [model(x, text) for x in inputs]
+    errors = {}
+    for s in (None, 1.0):
+        state = torchfix.deepcache.apply(model, DeepCacheConfig(interval=3, num_steps=12, stop=1.0, sensitivity=s))
+        torchfix.deepcache.new_call(model)
+        got = [model(x, text) for x in inputs]
+        full = torchfix.deepcache.config.full_steps(12, state.config)
+        errors[s] = [((o - p).norm() / p.norm()).item() for k, (o, p) in enumerate(zip(got, plain)) if k not in full]
+        if s is None:
+            assert abs(state.current.sensitivity[1] - 0.36) < 1e-9 and state.current.sensitivity[0] is None
+            assert torchfix.deepcache.stats(model)["sensitivity"] == pytest.approx(0.36)
+        torchfix.deepcache.remove(model)
+    assert sorted(full) == [0, 2, 5, 8, 11]  # measured first at step 5 (its forecast from steps 0 and 2)
+    assert max(errors[None][-4:]) < 1e-12  # steps 6, 7, 9, 10: exact
+    assert min(errors[1.0][-4:]) > 1e-3  # the residual forecast is not
+    assert errors[None][:3] == errors[1.0][:3]  # before the first measurement both add the residual

@@ -89,6 +89,8 @@ def test_each_guidance_stream_keeps_its_own_cache():
     both = [r for r in seen if len(r) == 2]
     assert both and not torch.equal(both[-1][0], both[-1][1])
     assert state.cache_bytes == 0  # the pipeline's end-of-call reset (diffusers' stateful hooks) freed the cache
+    call = s["last_call"]  # and what the call did is still reported
+    assert (call["full_steps"], call["cached_steps"], len(call["streams"])) == (8, 10, 2)
 
 
 def test_wrap_applies_it_to_transformer_pipelines():

@@ -19,13 +19,14 @@ tensor([5.])
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ._graphs import outside_graphs
 
-__all__ = ["for_this_step", "forecast", "keep_pending", "moved", "remember"]
+__all__ = ["for_this_step", "forecast", "keep_pending", "moved", "remember", "sensitivity"]
 
 Value = Any  # a tensor, or a tuple of tensors and None (a transformer's (text, image) residual)
 
@@ -84,6 +85,28 @@ def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
     """
     diff = (now.float() - ref.float()).abs().mean()
     return float(diff / ref.float().abs().mean().clamp_min(1e-12))
+
+
+@outside_graphs
+def sensitivity(residual_error: torch.Tensor, input_error: torch.Tensor) -> float | None:
+    """How much of an input's forecast error a residual block chain passes to its output, measured at a full
+    step: the least-squares slope ``s`` of the output's forecast error on the input's, kept in [0, 1].
+    With ``out = in + residual``, the output's error is ``residual_error + input_error``, so
+    ``s = 1 + <residual_error, input_error> / |input_error|²``. ``None`` where the input was forecast
+    exactly (a text stream that does not change between steps): nothing to measure.
+
+    >>> import torch
+    >>> e_in = torch.tensor([1.0, -2.0, 0.5])
+    >>> round(sensitivity(-0.7 * e_in, e_in), 3)  # the blocks undo 70% of an input change
+    0.3
+    """
+    wide = torch.promote_types(input_error.dtype, torch.float32)  # half precision sums in float32
+    e_in = input_error.to(wide)
+    power = float((e_in * e_in).sum())
+    if not math.isfinite(power) or power <= 1e-30:
+        return None
+    slope = 1.0 + float((residual_error.to(wide) * e_in).sum()) / power
+    return min(max(slope, 0.0), 1.0) if math.isfinite(slope) else None
 
 
 # A cache state (UNet or transformer) has ``current`` (the stream of the call in progress, with ``history``

@@ -27,7 +27,7 @@ from ..patches import instance
 from . import streams
 from ._graphs import forget_compiled
 from ._graphs import outside_graphs as _outside_graphs
-from .config import DeepCacheConfig, for_family, must_run_full, warms_up
+from .config import DeepCacheConfig, corrects, for_family, must_run_full, warms_up
 from .forecast import for_this_step, keep_pending, moved
 from .layout import Layout, analyse
 from .shallow import shallow_forward
@@ -93,6 +93,7 @@ class DeepCacheState:
     scheduler: Any = None  # weakref to the scheduler whose set_timesteps is hooked
     scheduler_hook: Any = None
     reinstalls: int = 0
+    summary: dict[str, Any] | None = None  # last_call of the generation the last reset ended
 
     @property
     def feature(self) -> torch.Tensor | None:
@@ -109,7 +110,8 @@ class DeepCacheState:
         return sum(t.numel() * t.element_size() for st in self.streams.values() for _, t in st.history)
 
     def reset(self) -> None:
-        """Forget every stream's feature and the current generation."""
+        """Forget every stream's feature and the current generation (what it did stays readable)."""
+        streams.keep_summary(self)
         self.streams.clear()
         self.current = None
         self.signature = None
@@ -181,7 +183,9 @@ def stats(target: Any) -> dict[str, Any]:
     pipeline call starts); ``in_call_path``: calling the model reaches it right now; ``last_call``:
     full and cached steps of the current (or last) generation, in all and per stream; totals since
     ``apply``; ``reinstalls``: how often another hook had replaced its forward; ``scoped``: it caches
-    only inside ``torchfix.wrap``'s calls; bytes held; for a transformer the streams and cached blocks.
+    only inside ``torchfix.wrap``'s calls; bytes held; for a transformer the streams, the cached blocks and
+    ``sensitivity`` (the share of an input change the cached blocks pass through: as set, or as last
+    measured, ``None`` before the first measurement).
 
     >>> import torchfix
     >>> torchfix.deepcache.stats(torchfix.testing.tiny_sd15_unet())
@@ -208,6 +212,8 @@ def stats(target: Any) -> dict[str, Any]:
     if isinstance(state, TransformerCacheState):
         out["streams"] = state.last_streams
         out["blocks"] = state.layout.describe(state.config.keep_first, state.config.keep_last)
+        fixed = state.config.sensitivity
+        out["sensitivity"] = fixed if fixed is not None else (state.last_sensitivity if corrects(state.config) else 1.0)
     else:
         out["branch"] = state.layout.describe(state.config.branch)
     return out

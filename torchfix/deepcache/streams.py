@@ -22,7 +22,7 @@ import torch
 from ..patches import instance
 from .config import early_steps_move
 
-__all__ = ["MAX_STREAMS", "engaged", "ensure_installed", "enter", "follow_scheduler", "in_call_path", "last_call", "scoped"]
+__all__ = ["MAX_STREAMS", "engaged", "ensure_installed", "enter", "follow_scheduler", "in_call_path", "keep_summary", "last_call", "scoped"]
 
 log = logging.getLogger("torchfix")
 
@@ -78,13 +78,22 @@ def enter(state: Any, latents: torch.Tensor, prompt: Any, new_stream: type[S]) -
 
 
 def last_call(state: Any) -> dict[str, Any]:
-    """What the current (or last) generation did: full and cached steps, in all and per stream."""
+    """What the current (or last) generation did: full and cached steps, in all and per stream (after a reset
+    freed the streams, as diffusers' pipelines do at the end of a call: what they did before it)."""
+    if not state.streams and state.summary is not None:
+        return state.summary
     per = [{"full_steps": st.full, "cached_steps": st.cached} for st in state.streams.values()]
     return {
         "full_steps": sum(p["full_steps"] for p in per),
         "cached_steps": sum(p["cached_steps"] for p in per),
         "streams": per,
     }
+
+
+def keep_summary(state: Any) -> None:
+    """Before a reset frees the streams: keep what the generation did for :func:`last_call`."""
+    if state.streams:
+        state.summary = last_call(state)
 
 
 def in_call_path(state: Any) -> bool:

@@ -6,9 +6,15 @@ A transformer's blocks are a chain: each takes ``(hidden_states, encoder_hidden_
 and returns ``(encoder_hidden_states, hidden_states)`` (SD3's joint blocks; Flux's double-
 then single-stream blocks). On a full step the middle run ``[keep_first, n - keep_last)``
 runs and its residual ``out - in`` is kept, one per *stream*; on a cached step the first
-middle block returns ``in + residual`` and the others pass their inputs through. The
-first and last blocks, the embedders and the output layers always run, so a cached step
-still sees this step's timestep and latents.
+middle block returns ``in + residual`` (the residual forecast from the last full steps) and
+the others pass their inputs through. The first and last blocks, the embedders and the
+output layers always run, so a cached step still sees this step's timestep and latents.
+
+How much of this step's input passes through is measured (``DeepCacheConfig.sensitivity``):
+a trained transformer's blocks undo much of an input change, so the cached step returns
+``forecast_out + s·(in − forecast_in)``, with ``s`` the slope of the blocks' output error on
+their input error at the last full step (``s = 1`` is ``in + residual``; ``s = 0`` forecasts
+the blocks' output, TaylorSeer's whole-block forecast).
 
 A *stream* is one conditioning: the ``encoder_hidden_states`` object a call passes. A
 pipeline that runs its guidance branches as separate calls (Flux's true CFG, modular
@@ -34,8 +40,8 @@ import torch
 from ..patches import instance
 from . import streams
 from ._graphs import outside_graphs
-from .config import DeepCacheConfig, for_family, must_run_full
-from .forecast import for_this_step, keep_pending, moved
+from .config import DeepCacheConfig, corrects, for_family, must_run_full
+from .forecast import for_this_step, forecast, keep_pending, moved, sensitivity
 from .layout import UnsupportedUNetError
 
 __all__ = [
@@ -124,15 +130,18 @@ def check_transformer(model: torch.nn.Module, config: DeepCacheConfig) -> Transf
 class _Stream:
     prompt: Any  # the encoder_hidden_states object this stream is keyed by (held, so its id stays unique)
     step: int = 0
-    # (step, (text, image) residual added by the cached blocks) of the last full steps, oldest first
-    history: list[tuple[int, tuple[torch.Tensor | None, torch.Tensor]]] = field(default_factory=list)
+    # (step, (text, image) residual added by the cached blocks[, (text, image) entering them]) of the last full
+    # steps, oldest first: the inputs are kept where the cached step corrects for them (config.corrects)
+    history: list[tuple[int, tuple[torch.Tensor | None, ...]]] = field(default_factory=list)
+    # (text, image): the measured share of an input's forecast error the cached blocks pass through (None: not yet)
+    sensitivity: tuple[float | None, float | None] = (None, None)
     reference: torch.Tensor | None = None  # with a threshold: the hidden states entering the cached blocks at the last full step
     cached_run: int = 0  # cached steps since the last full one
     full: int = 0
     cached: int = 0
 
     @property
-    def residual(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    def residual(self) -> tuple[torch.Tensor | None, ...] | None:
         return self.history[-1][1] if self.history else None
 
     @property
@@ -160,11 +169,13 @@ class TransformerCacheState:
     mode: str = "off"
     current: _Stream | None = None
     inputs: tuple[Any, Any] | None = None  # (text, image) entering the middle blocks on a full step
-    pending: tuple[Any, Any] | None = None  # the (text, image) residual of the full step in progress
+    pending: tuple[Any, ...] | None = None  # the (text, image) residual of the full step in progress[, and its inputs]
     full_steps: int = 0
     cached_steps: int = 0
     generations: int = 0
     last_streams: int = 0  # streams of the current (or last) generation; kept when the cache is freed
+    summary: dict[str, Any] | None = None  # last_call of the generation the last reset ended
+    last_sensitivity: float | None = None  # the image stream's, as last measured (kept when the cache is freed)
     scope: object | None = None  # torchfix.wrap's token: cache only inside its pipeline's calls
     pipe: Any = None  # weakref to the pipeline applied to (its scheduler is followed)
     scheduler: Any = None  # weakref to the scheduler whose set_timesteps is hooked
@@ -176,7 +187,8 @@ class TransformerCacheState:
         return sum(s.nbytes for s in self.streams.values())
 
     def reset(self) -> None:
-        """Forget every stream and the current generation."""
+        """Forget every stream and the current generation (what it did stays readable: ``streams.last_call``)."""
+        streams.keep_summary(self)
         self.streams.clear()
         self.signature = None
         self.pending_new_call = True
@@ -226,9 +238,51 @@ def _count(state: TransformerCacheState, stream: _Stream, full: bool) -> None:
 
 @outside_graphs
 def _keep(state: TransformerCacheState) -> None:
-    """After a call: a full step's residual joins its stream's history (eager: the history is a Python list)."""
+    """After a call: a full step's residual joins its stream's history, after measuring how much of the
+    input's forecast error the cached blocks passed through (eager: the history is a Python list)."""
+    if state.pending is not None and state.current is not None and len(state.pending) == 4:
+        _measure(state)
     keep_pending(state)
     state.mode, state.inputs = "off", None
+
+
+def _measure(state: TransformerCacheState) -> None:
+    """At a full step whose residual and inputs the stream could have forecast (a forecast order and two
+    full steps before it): the measured sensitivity of each of the (text, image) parts, where it changed."""
+    stream, config = state.current, state.config
+    if config.sensitivity is not None or not config.forecast or len(stream.history) < 2:
+        return
+    predicted = forecast(stream.history, stream.step - 1, config.forecast)
+    measured = list(stream.sensitivity)
+    for part in (0, 1):
+        residual, entered = state.pending[part], state.pending[part + 2]
+        if residual is None or entered is None or predicted[part] is None or predicted[part + 2] is None:
+            continue
+        value = sensitivity(residual - predicted[part], entered - predicted[part + 2])
+        if value is not None:
+            measured[part] = value
+    stream.sensitivity = (measured[0], measured[1])
+    if measured[1] is not None:
+        state.last_sensitivity = measured[1]
+
+
+@outside_graphs
+def _cached(state: TransformerCacheState, text: Any, hidden: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """What the cached blocks return on a cached step that corrects for its input: per part,
+    ``in + residual − (1 − s)·(in − forecast_in)`` (eager: ``s`` is a Python number that changes per step)."""
+    stream, config = state.current, state.config
+    value = for_this_step(state) if config.forecast else stream.residual
+    out = []
+    for part, now in enumerate((text, hidden)):
+        residual, predicted = value[part], value[part + 2]
+        s = config.sensitivity if config.sensitivity is not None else stream.sensitivity[part]
+        if now is None or residual is None:
+            out.append(now)
+        elif s is None or s == 1.0 or predicted is None:
+            out.append(now + residual)
+        else:
+            out.append(now + residual - (1.0 - s) * (now - predicted))
+    return out[0], out[1]
 
 
 @outside_graphs
@@ -263,6 +317,8 @@ def _block_forward_of(state_ref: weakref.ref[TransformerCacheState], first: bool
         if mode == "cached":
             if not first:
                 return text, hidden
+            if corrects(state.config):
+                return _cached(state, text, hidden)
             r_text, r_hidden = for_this_step(state) if state.config.forecast else state.current.residual
             return (text + r_text if r_text is not None and text is not None else text), hidden + r_hidden
         if first:
@@ -275,6 +331,8 @@ def _block_forward_of(state_ref: weakref.ref[TransformerCacheState], first: bool
             text_out, hidden_out = out
             r_text = (text_out - text_in).detach() if text_out is not None and text_in is not None else None
             state.pending = (r_text, (hidden_out - hidden_in).detach())  # kept by the model's forward, outside any graph
+            if corrects(state.config):  # with the inputs, to forecast them and measure the blocks' sensitivity
+                state.pending += (text_in.detach() if text_in is not None else None, hidden_in.detach())
             state.inputs = None
         return out
 
