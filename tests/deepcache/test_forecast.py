@@ -268,3 +268,25 @@ def test_a_measured_sensitivity_makes_cached_steps_exact_on_affine_blocks():
     assert max(errors[None][-4:]) < 1e-12  # steps 6, 7, 9, 10: exact
     assert min(errors[1.0][-4:]) > 1e-3  # the residual forecast is not
     assert errors[None][:3] == errors[1.0][:3]  # before the first measurement both add the residual
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_pipelines_measure_the_sensitivity_and_hold_the_inputs_for_it(kind):
+    pipe = BUILDERS[kind]()
+    held = {}
+    for s in (None, 1.0):
+        state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, sensitivity=s))
+        seen = []  # cache bytes after each call (the pipeline frees the cache when it ends)
+        hook = pipe.transformer.register_forward_hook(lambda *a, seen=seen, state=state: seen.append(state.cache_bytes))
+        try:
+            latents(pipe, steps=12)
+        finally:
+            hook.remove()
+        held[s] = max(seen)
+        measured = torchfix.deepcache.stats(pipe)["sensitivity"]
+        if s is None:
+            assert isinstance(measured, float) and 0.0 <= measured <= 1.0  # measured on this model
+        else:
+            assert measured == 1.0
+    torchfix.deepcache.remove(pipe)
+    assert held[None] == 2 * held[1.0]  # the inputs beside the residuals
