@@ -3,6 +3,8 @@ guarantee of the plain cache kept with them (interval 1, fresh per call, remove,
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -243,31 +245,46 @@ class _AffineTransformer(torch.nn.Module):
         return hidden_states
 
 
-def test_a_measured_sensitivity_makes_cached_steps_exact_on_affine_blocks():
-    """On blocks whose output is ``C·in + B`` (C = 0.36 here), a cached step that adds the forecast residual to
-    its input is off by ``(1 − C)·(in − forecast_in)`` wherever the input does not move on a line; once one full
-    step has measured the sensitivity (it is C), every later cached step returns what the blocks would have."""
+def _affine_run(warm_up: bool, sensitivity: float | None) -> tuple[list[float], Any, frozenset[int]]:
+    """Cached-step errors (by step) of the affine transformer over 12 steps at interval 3, with the state."""
     model = _AffineTransformer()
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
     text = torch.zeros(2, 8, dtype=torch.float64)
     inputs = [a + b * (k / 4) ** 2 for k in range(12)]  # moves on a curve: a linear forecast of it is off
     plain = [model(x, text) for x in inputs]
-    errors = {}
-    for s in (None, 1.0):
-        state = torchfix.deepcache.apply(model, DeepCacheConfig(interval=3, num_steps=12, stop=1.0, sensitivity=s))
-        torchfix.deepcache.new_call(model)
-        got = [model(x, text) for x in inputs]
-        full = torchfix.deepcache.config.full_steps(12, state.config)
-        errors[s] = [((o - p).norm() / p.norm()).item() for k, (o, p) in enumerate(zip(got, plain)) if k not in full]
-        if s is None:
-            assert abs(state.current.sensitivity[1] - 0.36) < 1e-9 and state.current.sensitivity[0] is None
-            assert torchfix.deepcache.stats(model)["sensitivity"] == pytest.approx(0.36)
-        torchfix.deepcache.remove(model)
-    assert sorted(full) == [0, 2, 5, 8, 11]  # measured first at step 5 (its forecast from steps 0 and 2)
-    assert max(errors[None][-4:]) < 1e-12  # steps 6, 7, 9, 10: exact
-    assert min(errors[1.0][-4:]) > 1e-3  # the residual forecast is not
-    assert errors[None][:3] == errors[1.0][:3]  # before the first measurement both add the residual
+    cfg = DeepCacheConfig(interval=3, num_steps=12, stop=1.0, sensitivity=sensitivity, warm_up=warm_up)
+    state = torchfix.deepcache.apply(model, cfg)
+    torchfix.deepcache.new_call(model)
+    got = [model(x, text) for x in inputs]
+    full = torchfix.deepcache.config.full_steps(12, state.config)
+    errors = {k: ((o - p).norm() / p.norm()).item() for k, (o, p) in enumerate(zip(got, plain)) if k not in full}
+    measured = (state.current.sensitivity, torchfix.deepcache.stats(model)["sensitivity"])
+    torchfix.deepcache.remove(model)
+    return errors, measured, full
+
+
+def test_a_measured_sensitivity_makes_cached_steps_exact_on_affine_blocks():
+    """On blocks whose output is ``C·in + B`` (C = 0.36 here), a cached step that adds the forecast residual to
+    its input is off by ``(1 − C)·(in − forecast_in)`` wherever the input does not move on a line; once one full
+    step has measured the sensitivity (it is C), every later cached step returns what the blocks would have."""
+    errors, (per_part, reported), full = _affine_run(warm_up=False, sensitivity=None)
+    residual, _, _ = _affine_run(warm_up=False, sensitivity=1.0)
+    assert sorted(full) == [0, 3, 6, 9]  # measured first at step 6 (its forecast from steps 0 and 3)
+    assert abs(per_part[1] - 0.36) < 1e-9 and per_part[0] is None and reported == pytest.approx(0.36)  # no text change
+    assert max(errors[k] for k in (7, 8, 10, 11)) < 1e-12  # exact
+    assert min(residual[k] for k in (7, 8, 10, 11)) > 1e-3  # the residual forecast is not
+    assert [errors[k] for k in (1, 2, 4, 5)] == [residual[k] for k in (1, 2, 4, 5)]  # before it both add the residual
+
+
+def test_after_a_warm_up_the_sensitivity_is_not_measured_from_step_0():
+    """With the second full step at 2, the forecast checked at step 5 reaches back to step 0, where a trained
+    denoiser's features change fastest: it measures nothing; step 8's (from steps 2 and 5) does."""
+    errors, (per_part, _), full = _affine_run(warm_up=True, sensitivity=None)
+    residual, _, _ = _affine_run(warm_up=True, sensitivity=1.0)
+    assert sorted(full) == [0, 2, 5, 8, 11] and abs(per_part[1] - 0.36) < 1e-9
+    assert [errors[k] for k in (1, 3, 4, 6, 7)] == [residual[k] for k in (1, 3, 4, 6, 7)]  # no measurement at step 5
+    assert max(errors[9], errors[10]) < 1e-12 < min(residual[9], residual[10])  # measured at step 8
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
