@@ -207,7 +207,7 @@ def stats(target: Any) -> dict[str, Any]:
         "cache_bytes": state.cache_bytes,
         "forecast": state.config.forecast,
         "threshold": state.config.threshold,
-        "warm_up": warms_up(state.schedule or state.config),
+        "warm_up": warms_up(streams.generation_config(state)),
     }
     if isinstance(state, TransformerCacheState):
         out["streams"] = state.last_streams
@@ -229,7 +229,7 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     stream = streams.enter(state, sample, prompt, _Stream)
     index = stream.step
     stream.step += 1
-    config = state.schedule or state.config
+    config = streams.generation_config(state)
     if stream.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
         full = True
     else:

@@ -22,7 +22,18 @@ import torch
 from ..patches import instance
 from .config import early_steps_move
 
-__all__ = ["MAX_STREAMS", "engaged", "ensure_installed", "enter", "follow_scheduler", "in_call_path", "keep_summary", "last_call", "scoped"]
+__all__ = [
+    "MAX_STREAMS",
+    "engaged",
+    "ensure_installed",
+    "enter",
+    "follow_scheduler",
+    "generation_config",
+    "in_call_path",
+    "keep_summary",
+    "last_call",
+    "scoped",
+]
 
 log = logging.getLogger("torchfix")
 
@@ -110,6 +121,12 @@ def ensure_installed(state: Any) -> int:
         state.reinstalls += n
         log.debug("torchfix.deepcache: %d forward(s) re-installed (another hook had replaced them)", n)
     return n
+
+
+def generation_config(state: Any) -> Any:
+    """The config this generation's steps follow: ``state.schedule`` where the scheduler decided the warm-up
+    (:func:`_restart`), else the config applied."""
+    return state.schedule or state.config
 
 
 def _restart(state: Any, scheduler: Any) -> None:

@@ -210,7 +210,7 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     state.last_streams = len(state.streams)
     index = stream.step
     stream.step += 1
-    config = state.schedule or state.config
+    config = streams.generation_config(state)
     if any(arguments.get(name) is not None for name in _FULL_ONLY):
         full, keep = True, False
     elif stream.residual is None:
@@ -253,10 +253,10 @@ def _measure(state: TransformerCacheState) -> None:
     off for the fast start, not for the blocks' response to their input: it measures nothing (on the trained
     Flux-like model it set 0.0 for the first cached runs and cost up to 12% at intervals 5 and 6)."""
     stream, config = state.current, state.config
-    if config.sensitivity is not None or not config.forecast or len(stream.history) < 2:
+    if config.sensitivity is not None or len(stream.history) < 2:  # set by the user; nothing to forecast from yet
         return
     oldest = stream.history[-min(config.forecast, len(stream.history) - 1) - 1][0]  # the first point the forecast used
-    if oldest == 0 and warms_up(state.schedule or config):
+    if oldest == 0 and warms_up(streams.generation_config(state)):
         return
     predicted = forecast(stream.history, stream.step - 1, config.forecast)
     measured = list(stream.sensitivity)
