@@ -59,7 +59,7 @@ def cached_cost(pipe, size, branch, reps=2):
     kw = {}
     if unet.config.addition_embed_type == "text_time":
         kw["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 32), "time_ids": torch.randn(2, 6)}
-    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=branch))
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=branch))
     full, cached = [], []
     with torch.no_grad():
         for _ in range(reps):

@@ -36,7 +36,8 @@ def test_uniform_schedule():
     assert sorted(full_steps(10, DeepCacheConfig(interval=3, forecast=0))) == [0, 3, 6, 9]
     assert sorted(full_steps(10, DeepCacheConfig(interval=1))) == list(range(10))
     assert sorted(full_steps(10, DeepCacheConfig(interval=5, forecast=0))) == [0, 5]
-    assert sorted(full_steps(10, DeepCacheConfig(interval=2))) == [0, 2, 4, 6, 8]
+    assert sorted(full_steps(10, DeepCacheConfig(interval=2, forecast=0))) == [0, 2, 4, 6, 8]
+    assert sorted(full_steps(10, DeepCacheConfig(interval=2, warm_up=False))) == [0, 2, 4, 6, 8]
 
 
 @pytest.mark.parametrize("forecast", [None, 1, 2])
@@ -48,6 +49,13 @@ def test_a_forecast_warms_up_with_a_second_full_step_at_2(forecast):
     assert [is_full_step(i, None, DeepCacheConfig(interval=3, forecast=forecast)) for i in range(9)] == [
         True, False, True, False, False, True, False, False, True
     ]  # fmt: skip
+    # at interval 2 the warm-up runs steps 0, 1 and 2 in full: no cached step reuses step 0's feature or
+    # forecasts across the first steps (one more full step than 0, 2, 4, ...)
+    assert sorted(full_steps(10, DeepCacheConfig(interval=2, forecast=forecast))) == [0, 1, 2, 4, 6, 8]
+    assert [is_full_step(i, None, DeepCacheConfig(interval=2, forecast=forecast)) for i in range(7)] == [
+        True, True, True, False, True, False, True
+    ]  # fmt: skip
+    assert sorted(full_steps(10, DeepCacheConfig(interval=2, forecast=forecast, stop=0.9))) == [0, 1, 2, 4, 6, 8, 9]
     # a window that starts later already has full steps before it: no warm-up
     assert sorted(full_steps(10, DeepCacheConfig(interval=3, forecast=forecast, start=0.2))) == [0, 1, 2, 5, 8]
 

@@ -28,7 +28,7 @@ def test_apply_remove_round_trip_and_no_stacking(sd15):
     cls_forward = type(unet).forward
     hooks_before = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in unet.named_modules()}
     torchfix.deepcache.apply(sd15, CFG)
-    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2, branch=1))  # replaces
+    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2, warm_up=False, branch=1))  # replaces
     state = torchfix.deepcache.state_of(sd15)
     assert state.original_forward.__func__ is cls_forward  # not a wrapper over a wrapper
     assert state.config.interval == 2
@@ -108,7 +108,7 @@ SIZES = [(64, 64), (90, 120), (96, 170), (125, 125), (45, 60), (8, 8), (8, 13), 
 def test_every_latent_size_round_trips(size):
     unet = tiny_sdxl_unet()
     x, ehs, kw = _unet_inputs(unet, size, batch=1)
-    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=0))
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=0))
     with torch.no_grad():
         first = unet(x, 900, ehs, **kw).sample
         second = unet(x, torch.tensor([800]), encoder_hidden_states=ehs, **kw).sample
@@ -123,7 +123,7 @@ def test_every_branch_of_sd15_at_an_odd_size(branch):
     x, ehs, _ = _unet_inputs(unet, (45 // 3, 60 // 3 + 1))  # 15×21: 15→8→4→2 and back
     with torch.no_grad():
         plain = unet(x, 500, ehs).sample
-        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=branch))
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=branch))
         unet(x, 500, ehs)
         again = unet(x, 500, ehs).sample  # cached step, same input: the cached feature is exact
     torch.testing.assert_close(again, plain, rtol=1e-5, atol=1e-5)
@@ -163,7 +163,7 @@ def test_prompt_and_seed_change_never_see_old_features(sd15):
 @pytest.mark.parametrize("batch,guidance", [(1, 1.0), (2, 7.5), (4, 1.0), (3, 5.0)])
 def test_batch_and_guidance(sd15, batch, guidance):
     ref = generate(sd15, num_images_per_prompt=batch, guidance_scale=guidance, steps=6)
-    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2))
+    torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=2, warm_up=False))
     out = generate(sd15, num_images_per_prompt=batch, guidance_scale=guidance, steps=6)
     assert out.shape == ref.shape == (batch, 4, 8, 8)
     assert 0 < rel(out, ref) < 0.3
@@ -215,7 +215,7 @@ def test_schedulers_count_calls_not_timesteps(sd15, scheduler):
 def test_timestep_forms_and_no_scheduler():
     unet = tiny_sd15_unet()
     x, ehs, _ = _unet_inputs(unet, (8, 8))
-    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, num_steps=4))
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, num_steps=4))
     with torch.no_grad():
         for t in (999, torch.tensor(800), torch.tensor([600, 600]), torch.tensor(400.0)):
             unet(sample=x, timestep=t, encoder_hidden_states=ehs)
@@ -262,7 +262,7 @@ def test_controlnet_residuals_reach_cached_steps():
     bumped = [r + 1.0 for r in zero]
     deep_only = [*zero[:-1], zero[-1] + 1.0]  # the deepest skip: not on branch 0's shallow path
     full = {"down_block_additional_residuals": zero, "mid_block_additional_residual": mid}
-    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=0))
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=0))
     try:
         with torch.no_grad():
             same = _full_then_cached(unet, x, ehs, full, full)
@@ -291,7 +291,7 @@ def test_lora_scale_reaches_cached_steps(sd15):
         ref = generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5})
         torchfix.deepcache.apply(sd15, DeepCacheConfig(interval=1))
         assert torch.equal(generate(sd15, steps=4, cross_attention_kwargs={"scale": 0.5}), ref)
-        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=2))
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=2))
         with torch.no_grad():
             at_half = _full_then_cached(unet, x, ehs, half, half)
             at_half_again = _full_then_cached(unet, x, ehs, half, half)
@@ -313,7 +313,7 @@ def test_lora_scale_reaches_cached_steps(sd15):
 @pytest.mark.slow
 def test_compile_across_resolutions():
     unet = tiny_sdxl_unet()
-    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=1))
+    torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=1))
     compiled = torch.compile(unet, backend="eager", dynamic=False)
     with torch.no_grad():
         for size in ((90, 120), (90, 90), (45, 60)):  # 720×960 → 720×720 → 360×480

@@ -187,15 +187,21 @@ def test_the_defaults_are_the_best_measured_per_family():
 
 @pytest.mark.parametrize(("kind", "warm"), [("sd15", True), ("flux", True), ("sd3", False)])
 def test_the_scheduler_decides_the_warm_up(kind, warm):
-    """With a forecast the second full step comes at step 2 where the schedule's first step moves the timestep
-    at least half as much as its average step (SD1.5's and Flux's schedulers); SD3's shift-3 schedule barely
-    moves at first and keeps DeepCache's steps. warm_up=True/False overrides it."""
+    """With a forecast the second full step comes at step 2 (at interval 2: steps 0, 1 and 2 run in full) where
+    the schedule's first step moves the timestep at least half as much as its average step (SD1.5's and Flux's
+    schedulers); SD3's shift-3 schedule barely moves at first and keeps DeepCache's steps. warm_up=True/False
+    overrides it."""
     pipe = BUILDERS[kind]()
     state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, stop=1.0))
     latents(pipe, steps=9)
     stats = torchfix.deepcache.stats(pipe)
     assert stats["warm_up"] is warm and (stats["full_steps"], stats["cached_steps"]) == ((4, 5) if warm else (3, 6))
     assert state.schedule.warm_up is warm and state.config.warm_up is None  # decided per generation, the config untouched
+    torchfix.deepcache.remove(pipe)
+    torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=2, stop=1.0))  # interval 2 warms up with steps 0, 1 and 2
+    latents(pipe, steps=9)
+    stats = torchfix.deepcache.stats(pipe)
+    assert (stats["full_steps"], stats["cached_steps"]) == ((6, 3) if warm else (5, 4))
     torchfix.deepcache.remove(pipe)
     state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, stop=1.0, warm_up=not warm))
     latents(pipe, steps=9)

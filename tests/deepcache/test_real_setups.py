@@ -126,7 +126,7 @@ def test_a_swapped_scheduler_gives_what_a_fresh_apply_gives():
 
 def test_custom_timesteps_set_the_step_count():
     pipe = tiny_sd15_pipeline("EulerDiscreteScheduler")
-    deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=2, branch=0))
+    deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=2, warm_up=False, branch=0))
     latents(pipe, steps=None, timesteps=[999, 800, 600, 400, 200, 100])
     assert deepcache.state_of(pipe).total == 6 and last(pipe) == (3, 3)
     deepcache.remove(pipe)
@@ -167,7 +167,7 @@ def test_a_graph_compiled_before_deepcache_went_in_does_not_skip_it():
     from torchfix.testing import tiny_sdxl_unet
 
     unet = tiny_sdxl_unet()
-    deepcache.apply(unet, torchfix.DeepCacheConfig(interval=2, branch=1))
+    deepcache.apply(unet, torchfix.DeepCacheConfig(interval=2, warm_up=False, branch=1))
     compiled = torch.compile(unet, backend="eager", dynamic=False)
     with torch.no_grad():
         for size in ((90, 120), (90, 90), (45, 60)):

@@ -97,7 +97,7 @@ def test_cached_step_on_the_full_steps_inputs_is_the_unets_own_output(case, size
         plain = unet(x, 500, ehs, **kwargs).sample
         branches = torchfix.deepcache.check(unet, DeepCacheConfig()).n_skips
         for branch in (0, branches // 2, branches - 1):
-            torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=branch))
+            torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=branch))
             try:
                 torchfix.deepcache.new_call(unet)
                 full = unet(x, 500, ehs, **kwargs).sample
@@ -115,7 +115,7 @@ def test_freeu_is_applied_in_cached_steps_as_the_unet_does():
     x, ehs = torch.randn(1, 4, 9, 7), _ehs()
     with torch.no_grad():
         plain = unet(x, 500, ehs).sample
-        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, branch=1))
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=1))
         try:
             torchfix.deepcache.new_call(unet)
             unet(x, 500, ehs)
