@@ -239,6 +239,12 @@ def early_steps_move(timesteps: Sequence[float]) -> bool:
     return mean == 0 or gaps[0] >= 0.5 * mean
 
 
+def _warm_full(index: int, interval: int) -> bool:
+    """Whether step ``index`` runs in full on a warmed-up schedule: 0, then 2, 2 + interval, ... (at interval 2
+    also step 1: steps 0, 1 and 2, then every other step)."""
+    return index == 0 or (index == 1 and interval == 2) or (index >= 2 and (index - 2) % interval == 0)
+
+
 def _stop(config: DeepCacheConfig) -> float:
     return 1.0 if config.stop is None else config.stop
 
@@ -255,8 +261,8 @@ def full_steps(total: int, config: DeepCacheConfig) -> frozenset[int]:
     count = math.ceil(width / config.interval)
     if config.schedule == "uniform":
         inside = set(range(lo, hi, config.interval))
-        if warms_up(config) and lo == 0:  # the second full step at 2 (and at interval 2, steps 1 and 2), then every interval
-            inside = {lo} | set(range(lo + 2, hi, config.interval)) | ({1} if config.interval == 2 else set())
+        if warms_up(config) and lo == 0:
+            inside = {i for i in range(lo, hi) if _warm_full(i, config.interval)}
     else:
         inside = set()
         for k in range(count):
@@ -302,6 +308,6 @@ def is_full_step(index: int, total: int | None, config: DeepCacheConfig) -> bool
         return True
     if total is None or index >= total:
         if warms_up(config):
-            return (index >= 2 and (index - 2) % config.interval == 0) or (index == 1 and config.interval == 2)
+            return _warm_full(index, config.interval)
         return index % config.interval == 0
     return index in full_steps(total, config)
