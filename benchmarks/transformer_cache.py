@@ -1,6 +1,6 @@
 """DeepCache for diffusion transformers against diffusers' own caches, side by side in one process.
 
-    .venv/bin/python benchmarks/transformer_cache.py            # SD3-like and Flux-like at 512², 20 steps (~5 min)
+    .venv/bin/python benchmarks/transformer_cache.py            # SD3-like and Flux-like at 512², 20 steps (~7 min, one torch thread)
     .venv/bin/python benchmarks/transformer_cache.py --quick    # 256², 10 steps
 
 For each tiny pipeline (random weights; SD3-like with 8 joint blocks and CFG, Flux-like with 4 double and
@@ -157,7 +157,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(1)  # one torch thread: two spin against each other on a shared 2-core machine
     size, steps = ((256, 256), 10) if args.quick else ((512, 512), 20)
     models = {
         "SD3-like (8 joint blocks, CFG)": lambda: tiny_sd3_pipeline(layers=8),
@@ -197,6 +197,11 @@ def main() -> int:
         f"`benchmarks/transformer_cache.py{' --quick' if args.quick else ''}`: {size[0]}×{size[1]}, {steps} FlowMatch Euler steps, "
         "final latents vs plain in the same process (plain rerun next to every row, best of 2). Attention = attention "
         "modules that computed (plain computes every one); ✓ = on the speed/error Pareto front of its model.",
+        "",
+        "Random weights: they misrank feature caches (issue #25), so read this as wall time and cost, and the section "
+        '"Caches on trained denoisers and random weights" below for which cache is more exact; the torchfix rows keep '
+        "the transformer defaults chosen there (linear forecast, warm-up, last 10% of steps full, measured sensitivity), "
+        "with `keep_first`/`keep_last` as labelled (Flux's default caches every block).",
         "",
     ]
     try:
