@@ -35,7 +35,7 @@ def rss_mib() -> float:
 
 
 def main() -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one torch thread: two spin against each other on a shared 2-core machine
     cfg = torchfix.DeepCacheConfig(interval=3, branch=0)
     levels, alive, times = [], [], []
     for i in range(SWITCHES + 1):
