@@ -80,6 +80,8 @@ def torchfix_rows(kind: str, quick: bool) -> list[Row]:
             parts.append(f"keep_last={cfg.keep_last}")
         if cfg.sensitivity is not None:
             parts.append(f"sensitivity={cfg.sensitivity}")
+        if cfg.revise is False:
+            parts.append("revise=False")
 
         def on(p: Any) -> Callable[[], None]:
             torchfix.deepcache.apply(p, cfg)
@@ -101,6 +103,10 @@ def torchfix_rows(kind: str, quick: bool) -> list[Row]:
             for interval in intervals:
                 for stop in (1.0, 0.95, 0.9):
                     rows.append(row(DeepCacheConfig(interval=interval, forecast=1, stop=stop, keep_first=0, keep_last=0)))
+                # the same without revising the cached steps at each full step (the default where it can, as here)
+                for stop in (1.0, 0.9):
+                    cfg = DeepCacheConfig(interval=interval, forecast=1, stop=stop, keep_first=0, keep_last=0, revise=False)
+                    rows.append(row(cfg))
         # the measured sensitivity (the default) against a fixed one: 1.0 adds the forecast residual to the input (as
         # before), 0.0 forecasts the blocks' output (TaylorSeer's whole-block forecast)
         for interval in (3, 4) if kind == "flux" else (3, 4, 6):

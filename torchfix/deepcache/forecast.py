@@ -26,7 +26,7 @@ import torch
 
 from ._graphs import outside_graphs
 
-__all__ = ["for_this_step", "forecast", "keep_pending", "moved", "remember", "sensitivity"]
+__all__ = ["for_this_step", "forecast", "interpolate", "keep_pending", "moved", "remember", "sensitivity"]
 
 Value = Any  # a tensor, or a tuple of tensors and None (a transformer's (text, image) residual)
 
@@ -76,6 +76,29 @@ def forecast(history: list[tuple[int, Value]], index: int, order: int) -> Value:
 
 
 @outside_graphs
+def interpolate(history: list[tuple[int, Value]], index: int) -> Value:
+    """The value at step ``index`` (between the two newest full steps of ``history``, oldest first) on the
+    polynomial through the newest three (two where there are only two): what a cached step would have used
+    had it known the full step after it.
+
+    >>> import torch
+    >>> h = [(0, torch.tensor([0.0])), (2, torch.tensor([4.0])), (6, torch.tensor([36.0]))]
+    >>> interpolate(h, 4)  # x**2 at 4, from 0, 2 and 6
+    tensor([16.])
+    """
+    points = history[-3:]
+    steps = [i for i, _ in points]
+    weights = []
+    for i in steps:
+        w = 1.0
+        for m in steps:
+            if m != i:
+                w *= (index - m) / (i - m)
+        weights.append(w)
+    return _map(lambda *values: sum(w * v for w, v in zip(weights, values)), *(v for _, v in points))
+
+
+@outside_graphs
 def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
     """How far ``now`` moved from ``ref``: ``mean|now − ref| / mean|ref|`` (FirstBlockCache's measure).
 
@@ -121,9 +144,10 @@ def for_this_step(state: Any) -> Value:
     return forecast(stream.history, stream.step - 1, state.config.forecast)
 
 
-def keep_pending(state: Any) -> None:
-    """After a full step: the value it produced joins its stream's history, keeping what the order needs.
-    Called eagerly, outside any graph (the history is a Python list whose length a graph would guard on)."""
+def keep_pending(state: Any, order: int = 0) -> None:
+    """After a full step: the value it produced joins its stream's history, keeping what the forecast order
+    (or ``order``, where more is needed) needs. Called eagerly, outside any graph (the history is a Python
+    list whose length a graph would guard on)."""
     if state.pending is not None and state.current is not None:
-        remember(state.current.history, state.current.step - 1, state.pending, state.config.forecast)
+        remember(state.current.history, state.current.step - 1, state.pending, max(state.config.forecast, order))
     state.pending = None

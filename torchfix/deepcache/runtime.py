@@ -150,6 +150,11 @@ def check(target: Any, config: DeepCacheConfig) -> Layout | TransformerLayout:
     if _is_transformer(unet) or getattr(target, "transformer", None) is unet:
         return check_transformer(unet, transformer_config(unet, config))
     layout = analyse(unet)
+    if config.revise is True:
+        raise ValueError(
+            f"torchfix.deepcache: revise=True, but {type(unet).__name__} is a UNet; revising cached steps needs a transformer "
+            "whose cached blocks end the chain (Flux) and a flow-matching Euler scheduler. Leave revise=None."
+        )
     if config.branch >= layout.n_skips:
         raise ValueError(
             f"torchfix.deepcache: branch={config.branch} but {type(unet).__name__} has {layout.n_skips} skip connections "
@@ -185,7 +190,8 @@ def stats(target: Any) -> dict[str, Any]:
     ``apply``; ``reinstalls``: how often another hook had replaced its forward; ``scoped``: it caches
     only inside ``torchfix.wrap``'s calls; bytes held; for a transformer the streams, the cached blocks and
     ``sensitivity`` (the share of an input change the cached blocks pass through: as set, or as last
-    measured, ``None`` before the first measurement).
+    measured, ``None`` before the first measurement), ``revise`` ("revises", or why the cached steps are not
+    revised: :attr:`DeepCacheConfig.revise`) and ``revised_steps`` (cached steps revised since ``apply``).
 
     >>> import torchfix
     >>> torchfix.deepcache.stats(torchfix.testing.tiny_sd15_unet())
@@ -214,6 +220,10 @@ def stats(target: Any) -> dict[str, Any]:
         out["blocks"] = state.layout.describe(state.config.keep_first, state.config.keep_last)
         fixed = state.config.sensitivity
         out["sensitivity"] = fixed if fixed is not None else (state.last_sensitivity if corrects(state.config) else 1.0)
+        out["revise"] = state.cannot_revise or (
+            "revises" if state.sigmas is not None else "waits for a flow-matching Euler scheduler (FlowMatchEulerDiscreteScheduler)"
+        )
+        out["revised_steps"] = state.revised_steps
     else:
         out["branch"] = state.layout.describe(state.config.branch)
     return out

@@ -27,6 +27,7 @@ __all__ = [
     "engaged",
     "ensure_installed",
     "enter",
+    "flow_euler_sigmas",
     "follow_scheduler",
     "generation_config",
     "in_call_path",
@@ -129,6 +130,25 @@ def generation_config(state: Any) -> Any:
     return state.schedule or state.config
 
 
+def flow_euler_sigmas(scheduler: Any) -> tuple[float, ...] | None:
+    """The sigmas of a deterministic flow-matching Euler scheduler, whose step moves the latents by
+    ``(σ[i+1] − σ[i])·output`` (diffusers' ``FlowMatchEulerDiscreteScheduler`` without stochastic sampling,
+    as Flux's and SD3's pipelines use), else ``None``. Read once per generation (one host copy).
+
+    >>> flow_euler_sigmas(object()) is None
+    True
+    """
+    if type(scheduler).__name__ != "FlowMatchEulerDiscreteScheduler" or getattr(scheduler, "order", 1) != 1:
+        return None  # a subclass may step differently
+    config = getattr(scheduler, "config", None)
+    if getattr(config, "stochastic_sampling", False) or getattr(config, "invert_sigmas", False):
+        return None
+    sigmas = getattr(scheduler, "sigmas", None)
+    if sigmas is None:
+        return None
+    return tuple(float(v) for v in (sigmas.tolist() if hasattr(sigmas, "tolist") else sigmas))
+
+
 def _restart(state: Any, scheduler: Any) -> None:
     """A new generation, with the step count ``scheduler`` has set (and, where ``warm_up`` is left to it, whether
     its timesteps call for a warm-up)."""
@@ -139,6 +159,8 @@ def _restart(state: Any, scheduler: Any) -> None:
     if config.warm_up is None and timesteps is not None:  # the schedule decides: an early second full step pays only
         values = timesteps.tolist() if hasattr(timesteps, "tolist") else list(timesteps)  # a tensor, an array, a list
         state.schedule = dataclasses.replace(config, warm_up=early_steps_move(values))  # where it moves early
+    if hasattr(state, "sigmas"):  # a transformer that revises its cached steps needs each step's size
+        state.sigmas = flow_euler_sigmas(scheduler) if config.revise is not False else None
 
 
 def _hook_scheduler(state: Any, scheduler: Any) -> None:

@@ -16,6 +16,11 @@ a trained transformer's blocks undo much of an input change, so the cached step 
 their input error at the last full step (``s = 1`` is ``in + residual``; ``s = 0`` forecasts
 the blocks' output, TaylorSeer's whole-block forecast).
 
+Where the cached blocks end the chain (Flux) and the scheduler is a flow-matching Euler one, each
+full step also *revises* the cached steps since the last one (``DeepCacheConfig.revise``): their
+blocks' output interpolated between the full steps around them, the output layers rerun on it, and
+the change in where the latents went (velocity change × step size) added to this step's output.
+
 A *stream* is one conditioning: the ``encoder_hidden_states`` object a call passes. A
 pipeline that runs its guidance branches as separate calls (Flux's true CFG, modular
 guiders) gets one cache per branch, and no branch ever sees another's residual. Each
@@ -41,7 +46,7 @@ from ..patches import instance
 from . import streams
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig, corrects, for_family, must_run_full, warms_up
-from .forecast import for_this_step, forecast, keep_pending, moved, sensitivity
+from .forecast import for_this_step, forecast, interpolate, keep_pending, moved, sensitivity
 from .layout import UnsupportedUNetError
 
 __all__ = [
@@ -123,7 +128,27 @@ def check_transformer(model: torch.nn.Module, config: DeepCacheConfig) -> Transf
             f"torchfix.deepcache: keep_last=0, but {type(model).__name__}'s last block ({layout.names[-1]}) drops the text "
             "stream (context_pre_only) and cannot be cached; use keep_last >= 1."
         )
+    reason = revise_off(model, config)
+    if config.revise is True and reason is not None:
+        raise ValueError(
+            f"torchfix.deepcache: revise=True, but {type(model).__name__}: {reason}; leave revise=None to revise only where it can."
+        )
     return layout
+
+
+def revise_off(model: torch.nn.Module, config: DeepCacheConfig) -> str | None:
+    """Why ``model`` with ``config`` cannot revise its cached steps (``None``: it can). Revising reruns the output
+    layers on a revised output of the cached blocks, so they must end the chain and feed ``norm_out`` and
+    ``proj_out``, whose output is the model's (Flux's layout)."""
+    if config.revise is False:
+        return "revise=False"
+    if config.keep_last != 0:
+        return f"keep_last={config.keep_last} (a block runs after the cached ones; revising needs keep_last=0)"
+    if not all(isinstance(getattr(model, name, None), torch.nn.Module) for name in ("norm_out", "proj_out")):
+        return "no norm_out and proj_out output layers"
+    if len(inspect.signature(model.norm_out.forward).parameters) < 2:
+        return "its norm_out takes no conditioning"
+    return None
 
 
 @dataclass
@@ -139,6 +164,9 @@ class _Stream:
     cached_run: int = 0  # cached steps since the last full one
     full: int = 0
     cached: int = 0
+    # where the cached steps are revised: per cached step since the last full one, (step, the image hidden states
+    # entering the cached blocks, the conditioning the output layers got, the model's output, the sensitivity used)
+    since_full: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
 
     @property
     def residual(self) -> tuple[torch.Tensor | None, ...] | None:
@@ -147,6 +175,7 @@ class _Stream:
     @property
     def nbytes(self) -> int:
         held = [t for _, r in self.history for t in r if t is not None] + ([self.reference] if self.reference is not None else [])
+        held += [t for record in self.since_full for t in record[1:4]]
         return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -181,6 +210,14 @@ class TransformerCacheState:
     scheduler: Any = None  # weakref to the scheduler whose set_timesteps is hooked
     scheduler_hook: Any = None
     reinstalls: int = 0
+    model: Any = None  # weakref to the transformer (its output layers rerun where cached steps are revised)
+    cannot_revise: str | None = None  # why the model cannot revise its cached steps (None: it can)
+    sigmas: tuple[float, ...] | None = None  # this generation's flow-matching Euler sigmas (None: not revised)
+    revising: bool = False  # this call's stream revises its cached steps
+    entered: torch.Tensor | None = None  # a cached step's image hidden states entering the cached blocks
+    used: float = 1.0  # the sensitivity a cached step used
+    conditioning: torch.Tensor | None = None  # the conditioning a cached step's norm_out got
+    revised_steps: int = 0
 
     @property
     def cache_bytes(self) -> int:
@@ -196,12 +233,14 @@ class TransformerCacheState:
         self.inputs = None
         self.pending = None
         self.mode = "off"
+        self.entered = self.conditioning = None
 
 
 @outside_graphs
 def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arguments: dict[str, Any]) -> None:
     """Pick the stream and whether this call is full (``mode`` "off" outside the scope of ``torchfix.wrap``'s
     call: the blocks run untouched). Kept out of compiled graphs: it is Python state."""
+    state.revising = False
     if not streams.engaged(state):
         state.mode = "off"
         return
@@ -211,6 +250,7 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     index = stream.step
     stream.step += 1
     config = streams.generation_config(state)
+    state.revising = state.cannot_revise is None and state.sigmas is not None
     if any(arguments.get(name) is not None for name in _FULL_ONLY):
         full, keep = True, False
     elif stream.residual is None:
@@ -237,13 +277,80 @@ def _count(state: TransformerCacheState, stream: _Stream, full: bool) -> None:
 
 
 @outside_graphs
-def _keep(state: TransformerCacheState) -> None:
+def _keep(state: TransformerCacheState, output: Any) -> torch.Tensor | None:
     """After a call: a full step's residual joins its stream's history, after measuring how much of the
-    input's forecast error the cached blocks passed through (eager: the history is a Python list)."""
+    input's forecast error the cached blocks passed through (eager: the history is a Python list). Where
+    the cached steps are revised: a cached step is noted, and a full step returns what to add to its output
+    for the cached steps since the last one (``None``: nothing)."""
     if state.pending is not None and state.current is not None and len(state.pending) == 4:
         _measure(state)
-    keep_pending(state)
-    state.mode, state.inputs = "off", None
+    kept = state.pending is not None
+    keep_pending(state, 2 if state.revising else 0)
+    change = None
+    stream = state.current
+    if state.revising and stream is not None:
+        sample = _sample(output)
+        if state.mode == "cached" and state.entered is not None and state.conditioning is not None and sample is not None:
+            stream.since_full.append((stream.step - 1, state.entered, state.conditioning, sample.detach(), state.used))
+        elif state.mode == "full" and kept and stream.since_full and sample is not None:
+            change = _revision(state, stream, sample)
+        if state.mode != "cached":
+            stream.since_full.clear()
+    state.mode, state.inputs, state.entered, state.conditioning = "off", None, None, None
+    return change
+
+
+def _sample(output: Any) -> torch.Tensor | None:
+    """The model's output tensor: the first of a tuple, or ``.sample``."""
+    sample = output[0] if isinstance(output, tuple) and output else getattr(output, "sample", None)
+    return sample if isinstance(sample, torch.Tensor) else None
+
+
+def _revision(state: TransformerCacheState, stream: _Stream, sample: torch.Tensor) -> torch.Tensor | None:
+    """What full step ``stream.step − 1`` adds to its output for the cached steps since the last full one:
+    per cached step, the output layers rerun on the cached blocks' output interpolated between the full
+    steps around it, minus the output the step returned, times its step size; all over this step's size.
+    The latents then land where the revised steps would have put them (a flow-matching Euler step is
+    ``latents + (σ[i+1] − σ[i])·output``). ``None`` where the scheduler's step index is unknown."""
+    model = state.model() if state.model is not None else None
+    scheduler = state.scheduler() if state.scheduler is not None else None
+    index = getattr(scheduler, "step_index", None)
+    sigmas = state.sigmas
+    if model is None or not isinstance(index, int) or sigmas is None or index + 1 >= len(sigmas):
+        return None
+    step = stream.step - 1
+    size = sigmas[index + 1] - sigmas[index]
+    if size == 0 or index - (step - stream.since_full[0][0]) < 0:
+        return None
+    change = torch.zeros_like(sample, dtype=torch.promote_types(sample.dtype, torch.float32))  # half precision sums in float32
+    image = [(i, (value[1], value[3] if len(value) > 3 else None)) for i, value in stream.history]  # what norm_out gets
+    if len(image) == 3 and image[0][0] == 0 and warms_up(streams.generation_config(state)):
+        # where the schedule moves early, step 0 is off the curve the later steps follow (as for the sensitivity):
+        # the quadratic through it overshoots between the next two (on the trained Flux-like model 2-5× the
+        # error of the line through them; from the third full step on, the quadratic is the more exact)
+        image = image[1:]
+    for at, entered, conditioning, used_output, s in stream.since_full:
+        residual, predicted = interpolate(image, at)
+        if residual is None:
+            return None
+        revised = entered + residual
+        if predicted is not None and s != 1.0:
+            revised = revised + (1.0 - s) * (predicted - entered)
+        output = model.proj_out(model.norm_out(revised, conditioning))
+        if output.shape != used_output.shape:
+            return None
+        i = index - (step - at)
+        change += (output - used_output) * (sigmas[i + 1] - sigmas[i])
+    state.revised_steps += len(stream.since_full)
+    return (change / size).to(sample.dtype)
+
+
+def _revised(output: Any, change: torch.Tensor) -> Any:
+    """``output`` with ``change`` added to its sample (a tuple's first item, or ``.sample``)."""
+    if isinstance(output, tuple):
+        return (output[0] + change, *output[1:])
+    output.sample = output.sample + change
+    return output
 
 
 def _measure(state: TransformerCacheState) -> None:
@@ -282,6 +389,8 @@ def _cached(state: TransformerCacheState, text: Any, hidden: torch.Tensor) -> tu
     for part, now in enumerate((text, hidden)):
         residual, predicted = value[part], value[part + 2]
         s = config.sensitivity if config.sensitivity is not None else stream.sensitivity[part]
+        if part == 1:
+            state.used = 1.0 if s is None or predicted is None else s
         if now is None or residual is None:
             out.append(now)
         elif s is None or s == 1.0 or predicted is None:
@@ -323,6 +432,8 @@ def _block_forward_of(state_ref: weakref.ref[TransformerCacheState], first: bool
         if mode == "cached":
             if not first:
                 return text, hidden
+            if state.revising:
+                state.entered, state.used = hidden, 1.0  # corrects() sets the sensitivity it used
             if corrects(state.config):
                 return _cached(state, text, hidden)
             r_text, r_hidden = for_this_step(state) if state.config.forecast else state.current.residual
@@ -354,15 +465,32 @@ def _model_forward(state: TransformerCacheState) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:
             arguments = sig.bind_partial(*args, **kwargs).arguments
             _decide(state, arguments["hidden_states"], arguments.get("encoder_hidden_states"), arguments)
+            output = None
             try:
-                return original(*args, **kwargs)
+                output = original(*args, **kwargs)
             finally:
-                _keep(state)
+                change = _keep(state, output)
+            return output if change is None else _revised(output, change)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
         return forward
 
     return make
+
+
+def _conditioning_hook(state_ref: weakref.ref[TransformerCacheState], norm_out: torch.nn.Module) -> Any:
+    """A pre-hook on ``norm_out`` that keeps, on a cached step that will be revised, the conditioning it gets
+    (a reference, no copy): the revision reruns it on the revised hidden states."""
+    sig = inspect.signature(norm_out.forward)
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        state = state_ref()
+        if state is not None and state.revising and state.mode == "cached":
+            conditioning = sig.bind_partial(*args, **kwargs).arguments.get(list(sig.parameters)[1])
+            if isinstance(conditioning, torch.Tensor):
+                state.conditioning = conditioning.detach()
+
+    return hook
 
 
 def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: TransformerLayout) -> TransformerCacheState:
@@ -374,6 +502,10 @@ def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: T
         make = _block_forward(state_ref, i == first, i == last)
         state.handles.append(instance.wrap_forward(layout.blocks[i], HOOK_NAME + "_block", make))
     state.handles.append(instance.wrap_forward(model, HOOK_NAME, _model_forward(state), reset=state.reset))
+    state.model = weakref.ref(model)
+    state.cannot_revise = revise_off(model, config)
+    if state.cannot_revise is None:
+        state.handles.append(instance.add_hook(model.norm_out, _conditioning_hook(state_ref, model.norm_out), pre=True, with_kwargs=True))
     what = layout.describe(config.keep_first, config.keep_last)
     log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(model).__name__, what, config.interval)
     return state
