@@ -127,6 +127,30 @@ def test_img2img_strength_starts_a_new_generation():
     torchfix.deepcache.remove(pipe)
 
 
+def test_img2img_keeps_its_last_steps_full_and_follows_the_steps_it_runs():
+    """An img2img pipeline sets 20 timesteps and runs the last 10 (strength 0.5, ``set_begin_index(10)``): the
+    schedule is that of 10 steps, the window's tail (``stop=0.9``) on the last of them, as for a 10-step
+    text-to-image call (before, the tail fell on steps the call never reached)."""
+    from diffusers import FluxImg2ImgPipeline
+
+    base = testing.tiny_flux_pipeline(layers=2, single_layers=2)
+    pipe = FluxImg2ImgPipeline(**base.components)
+    cfg = torchfix.DeepCacheConfig(interval=3, stop=0.9)
+    counts = {}
+    for name, p, kw in (("img2img", pipe, dict(steps=20, image=torch.rand(1, 3, 64, 64), strength=0.5)), ("txt2img", base, dict(steps=10))):
+        torchfix.deepcache.apply(p, cfg)
+        seen = []  # full steps so far, after each call
+        full_so_far = lambda *a, seen=seen, p=p: seen.append(torchfix.deepcache.stats(p)["last_call"]["full_steps"])  # noqa: E731
+        hook = p.transformer.register_forward_hook(full_so_far)
+        try:
+            latents(p, **kw)
+        finally:
+            hook.remove()
+            torchfix.deepcache.remove(p)
+        counts[name] = [b - a for a, b in zip([0, *seen], seen)]  # 1 where a call ran in full
+    assert counts["img2img"] == counts["txt2img"] == [1, 0, 1, 0, 0, 1, 0, 0, 1, 1]  # 0, 2, 5, 8 and the tail: 9
+
+
 def test_torch_compile_needs_no_recompile_across_steps_or_generations():
     from torch._dynamo.utils import counters
 

@@ -243,7 +243,7 @@ def _decide(state: DeepCacheState, sample: torch.Tensor, prompt: Any, kwargs: di
     if stream.feature is None or any(kwargs.get(name) is not None for name in _FULL_ONLY):
         full = True
     else:
-        full = must_run_full(index, state.total if state.total is not None else config.num_steps, config, stream.cached_run)
+        full = must_run_full(index, streams.generation_steps(state) or config.num_steps, config, stream.cached_run)
         if full is None:  # the features decide: a UNet's cached step recomputes from the sample, so it is the signal
             full = stream.reference is None or moved(sample, stream.reference) >= config.threshold
     if full:

@@ -30,6 +30,7 @@ __all__ = [
     "flow_euler_sigmas",
     "follow_scheduler",
     "generation_config",
+    "generation_steps",
     "in_call_path",
     "keep_summary",
     "last_call",
@@ -128,6 +129,22 @@ def generation_config(state: Any) -> Any:
     """The config this generation's steps follow: ``state.schedule`` where the scheduler decided the warm-up
     (:func:`_restart`), else the config applied."""
     return state.schedule or state.config
+
+
+def generation_steps(state: Any) -> int | None:
+    """Denoiser calls per stream in this generation: the timesteps the scheduler set, less those an img2img
+    pipeline skips (``scheduler.set_begin_index(t_start)``, called after ``set_timesteps``), so the caching
+    window's tail (``stop``) falls on the last steps that actually run. ``None``: unknown.
+
+    >>> class S: total, scheduler = 20, None
+    >>> generation_steps(S())
+    20
+    """
+    if state.total is None:
+        return None
+    scheduler = state.scheduler() if state.scheduler is not None else None
+    begin = getattr(scheduler, "begin_index", None)
+    return state.total - begin if isinstance(begin, int) and 0 < begin < state.total else state.total
 
 
 def flow_euler_sigmas(scheduler: Any) -> tuple[float, ...] | None:

@@ -256,7 +256,7 @@ def _decide(state: TransformerCacheState, hidden: torch.Tensor, prompt: Any, arg
     elif stream.residual is None:
         full, keep = True, config.interval > 1
     else:
-        full = must_run_full(index, state.total if state.total is not None else config.num_steps, config, stream.cached_run)
+        full = must_run_full(index, streams.generation_steps(state) or config.num_steps, config, stream.cached_run)
         keep = full is not False
     if full is None:
         state.mode = "probe"  # counted when the first cached block has measured the features
