@@ -123,9 +123,9 @@ class DeepCacheConfig:
             the revised steps would have put them. Costs the output layers once per cached step. On
             the trained Flux-like model, on the benchmark prompts and on held-out ones: interval 3
             0.0039 instead of 0.0067, interval 4 with ``stop=1.0`` 0.0121 instead of 0.0146
-            (docs/deepcache.md has every interval). ``None`` (the default): where the model and the scheduler allow it (else
-            nothing changes; ``stats()["revise"]`` says which); ``True``: the same, and an error at
-            ``apply`` where the model does not allow it; ``False``: never.
+            (docs/deepcache.md has every interval). ``None`` (the default): where the model and the
+            scheduler allow it (else nothing changes; ``stats()["revise"]`` says why); ``True``: the
+            same, and an error at ``apply`` where the model does not allow it; ``False``: never.
 
     >>> DeepCacheConfig(interval=4, branch=1).interval
     4

@@ -176,8 +176,8 @@ def _restart(state: Any, scheduler: Any) -> None:
     if config.warm_up is None and timesteps is not None:  # the schedule decides: an early second full step pays only
         values = timesteps.tolist() if hasattr(timesteps, "tolist") else list(timesteps)  # a tensor, an array, a list
         state.schedule = dataclasses.replace(config, warm_up=early_steps_move(values))  # where it moves early
-    if hasattr(state, "sigmas"):  # a transformer that revises its cached steps needs each step's size
-        state.sigmas = flow_euler_sigmas(scheduler) if config.revise is not False else None
+    if hasattr(state, "sigmas"):  # a transformer that can revise its cached steps needs each step's size
+        state.sigmas = flow_euler_sigmas(scheduler) if state.cannot_revise is None else None
 
 
 def _hook_scheduler(state: Any, scheduler: Any) -> None:
