@@ -324,9 +324,8 @@ def _revision(state: TransformerCacheState, stream: _Stream, sample: torch.Tenso
         return None
     change = torch.zeros_like(sample, dtype=torch.promote_types(sample.dtype, torch.float32))  # half precision sums in float32
     image = [(i, (value[1], value[3] if len(value) > 3 else None)) for i, value in stream.history]  # what norm_out gets
-    if len(image) == 3 and image[0][0] == 0 and warms_up(streams.generation_config(state)):
-        # where the schedule moves early, step 0 is off the curve the later steps follow (as for the sensitivity):
-        # the quadratic through it overshoots between the next two (on the trained Flux-like model 2-5× the
+    if len(image) == 3 and _off_the_curve(state, image[0][0]):
+        # the quadratic through step 0 overshoots between the next two (on the trained Flux-like model 2-5× the
         # error of the line through them; from the third full step on, the quadratic is the more exact)
         image = image[1:]
     for at, entered, conditioning, used_output, s in stream.since_full:
@@ -353,6 +352,12 @@ def _revised(output: Any, change: torch.Tensor) -> Any:
     return output
 
 
+def _off_the_curve(state: TransformerCacheState, step: int) -> bool:
+    """Whether full step ``step`` is off the curve the later full steps follow: step 0 of a generation that warmed
+    up (its first steps move fast). A forecast or an interpolation through it is off for the fast start."""
+    return step == 0 and warms_up(streams.generation_config(state))
+
+
 def _measure(state: TransformerCacheState) -> None:
     """At a full step whose residual and inputs the stream could have forecast (a forecast order and two
     full steps before it): the sensitivity of each of the (text, image) parts, where there is one to measure.
@@ -363,7 +368,7 @@ def _measure(state: TransformerCacheState) -> None:
     if config.sensitivity is not None or len(stream.history) < 2:  # set by the user; nothing to forecast from yet
         return
     oldest = stream.history[-min(config.forecast, len(stream.history) - 1) - 1][0]  # the first point the forecast used
-    if oldest == 0 and warms_up(streams.generation_config(state)):
+    if _off_the_curve(state, oldest):
         return
     predicted = forecast(stream.history, stream.step - 1, config.forecast)
     measured = list(stream.sensitivity)
