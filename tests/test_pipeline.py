@@ -294,7 +294,7 @@ def test_deepcache_on_a_pipeline_without_a_supported_denoiser_is_an_error_not_a_
     class OddLike:  # a pipeline whose transformer has no block chain DeepCache knows
         transformer = torch.nn.Linear(2, 2)
 
-    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"Linear has no transformer_blocks"):
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"Linear is not a model family torchfix knows"):
         torchfix.deepcache.check(OddLike(), torchfix.DeepCacheConfig())
 
 

@@ -113,9 +113,9 @@ def test_switch_sd15_sdxl_sd3_flux_sd15_ends_where_it_began():
 def test_deepcache_on_an_unsupported_denoiser_is_never_silent():
     pipe = testing.tiny_sd15_pipeline()
     pipe.register_modules(unet=torch.nn.Linear(2, 2))  # no UNet layout DeepCache knows
-    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"wrap\(deepcache=.*Linear lacks"):
+    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match=r"wrap\(deepcache=.*Linear is not a model family"):
         torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3))
-    with pytest.warns(torchfix.TorchfixWarning, match="deepcache= is ignored: .*Linear lacks"):
+    with pytest.warns(torchfix.TorchfixWarning, match="deepcache= is ignored: .*Linear is not a model family"):
         torchfix.wrap(pipe, mode="warn", deepcache=torchfix.DeepCacheConfig(interval=3))
     with pytest.raises(ValueError, match=r"keep_first=4 \+ keep_last=1 leaves nothing to cache .* allowed: keep_first \+ keep_last <= 3"):
         torchfix.wrap(testing.tiny_sd3_pipeline(), deepcache=torchfix.DeepCacheConfig(keep_first=4))

@@ -25,6 +25,7 @@ from .errors import (
     NonFiniteError,
     TorchfixError,
     TorchfixWarning,
+    UnsupportedModelError,
 )
 from .guards.known_issues import KnownIssue
 from .guards.known_issues import add as add_known_issue
@@ -49,6 +50,7 @@ __all__ = [
     "Status",
     "TorchfixError",
     "TorchfixWarning",
+    "UnsupportedModelError",
     "__version__",
     "add_known_issue",
     "audit",

@@ -19,6 +19,8 @@ __all__ = [
     "NonFiniteError",
     "TorchfixError",
     "TorchfixWarning",
+    "UnsupportedModelError",
+    "UnsupportedUNetError",
 ]
 
 
@@ -44,6 +46,15 @@ class ModelMismatchError(TorchfixError):
 
 class NonFiniteError(TorchfixError):
     """A reduced-precision component (a VAE decode in fp16) turned finite input into NaN/inf (``strict`` mode)."""
+
+
+class UnsupportedModelError(TorchfixError, ValueError):
+    """A model torchfix cannot drive as asked (a cache on a model family it does not know, or whose blocks do not
+    behave as its registry entry says); the message names the model, what was found and what is supported. Also a
+    ``ValueError``, as its earlier name was."""
+
+
+UnsupportedUNetError = UnsupportedModelError  # the name before every model family had an entry
 
 
 class TorchfixWarning(UserWarning):

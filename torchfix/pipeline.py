@@ -22,17 +22,20 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _context, _frames, _kept, _model, _warn, deepcache
+from . import _context, _frames, _kept, _model, _warn, deepcache, families
 from ._context import current
+from ._frames import uncompiled
 from ._report import FixEvent, report
 from ._state import enabled
 from ._text import dtype_name as _dt
 from .config import Settings
-from .deepcache import DeepCacheConfig, UnsupportedUNetError
+from .deepcache import DeepCacheConfig
 from .deepcache import check as deepcache_check
+from .deepcache.api import DENOISERS
 from .deepcache.streams import scoped as deepcache_scope
 from .devices import canonical, unusable_reason
-from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, NonFiniteError, TorchfixWarning
+from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, NonFiniteError, TorchfixWarning, UnsupportedModelError
+from .families.entries import LIKELY
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
 from .patches.instance import HookHandle, TensorHandle, add_hook, swap_tensor
@@ -61,17 +64,6 @@ def _has_accelerate_hook(module: torch.nn.Module) -> bool:
 
 
 _POOLED_KEYS = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-# widths of well-known checkpoints, for the "likely made by" hint
-_LIKELY = {
-    ("text", 768): "SD1.5",
-    ("text", 1024): "SD2.x",
-    ("text", 2048): "SDXL",
-    ("text", 1280): "the SDXL refiner",
-    ("text", 4096): "SD3/SD3.5 or Flux",
-    ("pooled", 1280): "SDXL",
-    ("pooled", 2048): "SD3/SD3.5",
-    ("pooled", 768): "Flux",
-}
 
 
 def _width(module: Any, attribute: str = "hidden_size") -> int | None:
@@ -82,62 +74,53 @@ def _width(module: Any, attribute: str = "hidden_size") -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _time_ids(pipe: Any) -> int:
-    """How many time ids an SDXL-family UNet's ``text_time`` conditioning takes: 6 (size, crop, target size),
-    5 for the refiner layout (size, crop, aesthetic score)."""
-    config = getattr(pipe, "config", None)
-    aesthetics = (
-        config.get("requires_aesthetics_score", False) if isinstance(config, dict) else getattr(config, "requires_aesthetics_score", False)
-    )
-    return 5 if aesthetics else 6
+def _denoiser(pipe: Any) -> tuple[str, families.Family] | None:
+    """The pipeline's (first) denoiser component and its family, where torchfix knows it."""
+    for name in DENOISERS:
+        model = getattr(pipe, name, None)
+        if isinstance(model, torch.nn.Module) and (family := families.find(uncompiled(model))) is not None:
+            return name, family
+    return None
 
 
 def _expected_widths(pipe: Any) -> dict[str, tuple[int, str]]:
     """The widths the denoiser takes: ``text`` (prompt_embeds) and ``pooled`` (pooled_prompt_embeds), each with
-    the config entries it comes from."""
-    out: dict[str, tuple[int, str]] = {}
-    unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
-    if hasattr(unet, "config"):
-        c = unet.config
-        if isinstance(c.get("encoder_hid_dim"), int) and c.get("encoder_hid_dim_type") in (None, "text_proj", "text_image_proj"):
-            out["text"] = (c.encoder_hid_dim, f"unet.config.encoder_hid_dim={c.encoder_hid_dim}, projected to cross_attention_dim")
-        elif isinstance(c.cross_attention_dim, int):
-            out["text"] = (c.cross_attention_dim, f"unet.config.cross_attention_dim={c.cross_attention_dim}")
-        if c.addition_embed_type == "text_time" and isinstance(c.projection_class_embeddings_input_dim, int):
-            ids, dim = _time_ids(pipe), c.addition_time_embed_dim or 0
-            out["pooled"] = (
-                c.projection_class_embeddings_input_dim - ids * dim,
-                f"projection_class_embeddings_input_dim={c.projection_class_embeddings_input_dim} minus {ids} time ids "
-                f"× addition_time_embed_dim={dim}",
-            )
-    elif hasattr(transformer, "config"):
-        c = transformer.config
-        if isinstance(c.get("joint_attention_dim"), int):
-            out["text"] = (c.joint_attention_dim, f"transformer.config.joint_attention_dim={c.joint_attention_dim}")
-        if isinstance(c.get("pooled_projection_dim"), int):
-            out["pooled"] = (c.pooled_projection_dim, f"transformer.config.pooled_projection_dim={c.pooled_projection_dim}")
-    return out
+    the config entries it comes from (its family's registry entry says which)."""
+    found = _denoiser(pipe)
+    return {} if found is None else found[1].expected_widths(pipe, found[0])
 
 
 _MISMATCH_FIX = "these components come from different models: load the text encoder(s) and the denoiser of one model"
 
 
-def _unet_conditioning(pipe: Any, unet: Any) -> list[Finding]:
+def _conditioning_findings(pipe: Any) -> list[Finding]:
+    """Each conditioning the denoiser consumes (its family's :class:`torchfix.families.Width` entries) against the
+    components that make it: widths that do not add up are a finding that names both."""
+    found = _denoiser(pipe)
+    if found is None:
+        return []
+    name, family = found
     findings = []
-    expected = _expected_widths(pipe)
-    widths = [(n, w) for n in ("text_encoder", "text_encoder_2") if (w := _width(getattr(pipe, n, None))) is not None]
-    if widths and "text" in expected and sum(w for _, w in widths) != expected["text"][0]:
-        total = " + ".join(f"{n} {w}" for n, w in widths)
-        problem = f"text encoder output width {total} = {sum(w for _, w in widths)} does not match {expected['text'][1]}"
-        findings.append(_finding("unet", problem, _MISMATCH_FIX, kind="model"))
-    if unet.config.addition_embed_type == "text_time":
-        encoder = getattr(pipe, "text_encoder_2", None)
-        if encoder is None:
-            problem = "addition_embed_type='text_time' needs pooled text embeddings, but there is no text_encoder_2"
-            findings.append(_finding("unet", problem, "use an SDXL pipeline with its text_encoder_2", kind="model"))
-        elif (pooled := _width(encoder, "projection_dim")) is not None and "pooled" in expected and pooled != expected["pooled"][0]:
-            problem = f"text_encoder_2 pooled width (projection_dim) {pooled} does not match {expected['pooled'][1]}"
-            findings.append(_finding("unet", problem, _MISMATCH_FIX, kind="model"))
+    for width in family.widths:
+        expected = width.expected(pipe, name)
+        if expected is None:
+            continue
+        feeds = [(n, w) for n in width.feeds if (w := _width(getattr(pipe, n, None), width.attr)) is not None]
+        kind = "output" if width.what == "text" else "pooled"
+        if not feeds:
+            if width.required and all(getattr(pipe, n, None) is None for n in width.feeds):
+                problem = f"{name} takes {width.what} embeddings ({expected[1]}), but there is no {' or '.join(width.feeds)}"
+                fix = f"use the {family.title} pipeline with its {' and '.join(width.feeds)}"
+                findings.append(_finding(name, problem, fix, kind="model"))
+            continue
+        total = sum(w for _, w in feeds)
+        if total == expected[0] or (width.padded and total < expected[0]):
+            continue
+        what = f"{feeds[0][0]} ({width.label}) {kind} width {total}" if len(feeds) == 1 else (
+            f"{width.label} {kind} width {' + '.join(f'{n} {w}' for n, w in feeds)} = {total}"
+        )
+        relation = "is wider than" if width.padded else "does not match"
+        findings.append(_finding(name, f"{what} {relation} {expected[1]}", _MISMATCH_FIX, kind="model"))
     return findings
 
 
@@ -159,36 +142,6 @@ def _component_dtypes(modules: dict[str, torch.nn.Module]) -> list[Finding]:
             f"at its first layer (to use one dtype: pipe.{name}.to(torch.{_dt(dtypes[main])}))"
         )
         findings.append(Finding("dtype", problem, fix, advisory=True, component=name))
-    return findings
-
-
-def _transformer_conditioning(pipe: Any, transformer: Any) -> list[Finding]:
-    """SD3: two CLIP encoders (hidden states padded to the T5 width, projections concatenated) and a T5 encoder;
-    Flux: a CLIP encoder (its pooled output) and a T5 encoder."""
-    findings = []
-    expected = _expected_widths(pipe)
-    text, pooled = expected.get("text"), expected.get("pooled")
-    t5_name = "text_encoder_3" if hasattr(pipe, "text_encoder_3") else "text_encoder_2"
-    clip_names = ("text_encoder", "text_encoder_2") if t5_name == "text_encoder_3" else ("text_encoder",)
-    t5 = _width(getattr(pipe, t5_name, None))
-    if text is not None and t5 is not None and t5 != text[0]:
-        findings.append(_finding("transformer", f"{t5_name} (T5) output width {t5} does not match {text[1]}", _MISMATCH_FIX, kind="model"))
-    if t5_name == "text_encoder_3":  # SD3: CLIP hidden states are zero-padded to the joint width, never cut
-        clip = [(n, w) for n in clip_names if (w := _width(getattr(pipe, n, None))) is not None]
-        if text is not None and clip and sum(w for _, w in clip) > text[0]:
-            total = " + ".join(f"{n} {w}" for n, w in clip)
-            problem = f"CLIP output width {total} = {sum(w for _, w in clip)} is wider than {text[1]}"
-            findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
-        projections = [(n, w) for n in clip_names if (w := _width(getattr(pipe, n, None), "projection_dim")) is not None]
-        if pooled is not None and projections and sum(w for _, w in projections) != pooled[0]:
-            total = " + ".join(f"{n} {w}" for n, w in projections)
-            problem = f"pooled CLIP width (projection_dim) {total} = {sum(w for _, w in projections)} does not match {pooled[1]}"
-            findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
-    else:  # Flux: the pooled embedding is the CLIP text model's pooler output
-        clip = _width(getattr(pipe, "text_encoder", None))
-        if pooled is not None and clip is not None and clip != pooled[0]:
-            problem = f"text_encoder (CLIP) pooled width {clip} does not match {pooled[1]}"
-            findings.append(_finding("transformer", problem, _MISMATCH_FIX, kind="model"))
     return findings
 
 
@@ -230,10 +183,11 @@ def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
     scale = getattr(pipe, "vae_scale_factor", None)
     if not hasattr(transformer, "config") or not isinstance(scale, int):
         return None
-    flux = hasattr(pipe, "_pack_latents")
-    if flux and getattr(pipe, "controlnet", None) is None:
+    found = _denoiser(pipe)
+    packed = found[1].packed if found is not None else 0  # Flux packs 2×2 latent pixels into a token
+    if packed and getattr(pipe, "controlnet", None) is None:
         return None
-    patch = 2 if flux else transformer.config.get("patch_size", 1) or 1
+    patch = packed or transformer.config.get("patch_size", 1) or 1
     multiple = scale * patch
     bad = {k: v for k in ("height", "width") if isinstance(v := kwargs.get(k), int) and v % multiple}
     if not bad:
@@ -344,7 +298,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._self_findings: list[Finding] = []
         self._self_named: list[torch.nn.Module] = []
         self._self_marks: list[_kept.Mark] = []  # marks set on kept tensors and buffers, undone by unwrap
-        self._self_cached_unet: torch.nn.Module | None = None
+        self._self_cached: tuple[torch.nn.Module, ...] = ()  # the denoisers DeepCache was applied to
         self._self_swaps: list[TensorHandle] = []  # every tensor wrap replaced, with its original
         self._self_learned = False  # the first call since the last preflight has told which parameters to cast
         self._self_scope = object()  # DeepCache applied by this wrapper caches only inside its calls
@@ -420,7 +374,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         for module in modules.values():
             self._self_marks += _kept.mark_model(module)
 
-        findings += self._conditioning()
+        findings += _conditioning_findings(pipe)
         findings += _component_dtypes(modules)
         self._self_findings = findings
         self._self_fingerprint = self._fingerprint()
@@ -433,15 +387,6 @@ class PipelineProxy(wrapt.ObjectProxy):
     def findings(self) -> list[Finding]:
         """The findings of the last preflight (it runs before the first call)."""
         return list(self._self_findings)
-
-    def _conditioning(self) -> list[Finding]:
-        pipe = self.__wrapped__
-        unet, transformer = getattr(pipe, "unet", None), getattr(pipe, "transformer", None)
-        if hasattr(unet, "config"):
-            return _unet_conditioning(pipe, unet)
-        if hasattr(transformer, "config"):
-            return _transformer_conditioning(pipe, transformer)
-        return []
 
     def _mode(self) -> str:
         if self._self_settings is not None:
@@ -477,7 +422,7 @@ class PipelineProxy(wrapt.ObjectProxy):
             for key in keys:
                 emb = kwargs.get(key)
                 if isinstance(emb, torch.Tensor) and emb.shape[-1] != width:
-                    likely = _LIKELY.get((group, emb.shape[-1]), "a different pipeline")
+                    likely = LIKELY.get((group, emb.shape[-1]), "a different pipeline")
                     raise ModelMismatchError(
                         f"torchfix: {key} has width {emb.shape[-1]} (shape {tuple(emb.shape)}), but {type(pipe).__name__} "
                         f"expects {width} ({source}). The embeddings were likely made by another model (e.g. {likely}); "
@@ -490,15 +435,18 @@ class PipelineProxy(wrapt.ObjectProxy):
         self._sync_deepcache()
 
     def _sync_deepcache(self) -> None:
+        """DeepCache on the pipeline's denoisers as they are now (applied anew where one was replaced), and a new
+        generation for each."""
+        if self._self_deepcache is None:
+            return
         pipe = self.__wrapped__
-        unet = getattr(pipe, "unet", None) if getattr(pipe, "unet", None) is not None else getattr(pipe, "transformer", None)
-        if self._self_deepcache is not None and unet is not self._self_cached_unet:
-            if self._self_cached_unet is not None:
-                deepcache.remove(self._self_cached_unet)
-            deepcache.apply(self.__wrapped__, self._self_deepcache, scope=self._self_scope)
-            self._self_cached_unet = unet
-        if self._self_cached_unet is not None:
-            deepcache.new_call(self._self_cached_unet)
+        found = tuple(model for _, model in deepcache.denoisers(pipe)[0])
+        if found != self._self_cached:
+            for model in self._self_cached:
+                deepcache.remove(model)
+            deepcache.apply(pipe, self._self_deepcache, scope=self._self_scope)
+            self._self_cached = found
+        deepcache.new_call(pipe)
 
     def _raise_on_findings(self) -> None:
         blocking = [f for f in self._self_findings if not f.applied and not f.advisory]
@@ -632,9 +580,9 @@ class PipelineProxy(wrapt.ObjectProxy):
             handle.restore()
         self._self_swaps = []
         self._self_learned = False
-        if self._self_cached_unet is not None:
-            deepcache.remove(self._self_cached_unet)
-            self._self_cached_unet = None
+        for model in self._self_cached:
+            deepcache.remove(model)
+        self._self_cached = ()
         self._forget_components()
         self._self_findings = []
         self._self_fingerprint = None
@@ -677,9 +625,9 @@ def wrap(
     if deepcache is not None:
         try:
             deepcache_check(pipe, deepcache)
-        except UnsupportedUNetError as exc:
+        except UnsupportedModelError as exc:
             if mode != "warn":
-                raise UnsupportedUNetError(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
+                raise UnsupportedModelError(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
             warnings.warn(f"torchfix.wrap: deepcache= is ignored: {exc}", TorchfixWarning, stacklevel=2)
             deepcache = None
         except ValueError as exc:

@@ -46,7 +46,7 @@ def test_bad_branch_and_unsupported_unets():
     unet = tiny_sd15_unet()
     with pytest.raises(ValueError, match=r"branch=12 but .* 12 skip connections"):
         torchfix.deepcache.apply(unet, DeepCacheConfig(branch=12))
-    with pytest.raises(torchfix.deepcache.UnsupportedUNetError, match="lacks"):
+    with pytest.raises(torchfix.UnsupportedModelError, match="Linear is not a model family torchfix knows"):
         torchfix.deepcache.apply(torch.nn.Linear(2, 2), CFG)
     from diffusers import UNet2DConditionModel
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchfix
+from torchfix import families
 from torchfix.deepcache import DeepCacheConfig
 from torchfix.deepcache.config import must_run_full
 from torchfix.deepcache.forecast import forecast, moved, remember
@@ -240,6 +241,18 @@ class _Block(torch.nn.Module):
         return encoder_hidden_states, self.c * hidden_states + self.b
 
 
+# A family entry for the toy: its blocks take and return (text, image), as SD3's and Flux's do.
+families.register(
+    families.Family(
+        "test-affine",
+        "affine blocks (a test's)",
+        ("_AffineTransformer",),
+        blocks=(families.Blocks("transformer_blocks", {"image": "hidden_states", "text": "encoder_hidden_states"}, ("text", "image")),),
+    ),
+    replace=True,
+)
+
+
 class _AffineTransformer(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -267,7 +280,7 @@ def _affine_run(warm_up: bool, sensitivity: float | None) -> tuple[list[float], 
     got = [model(x, text) for x in inputs]
     full = torchfix.deepcache.config.full_steps(12, state.config)
     errors = {k: ((o - p).norm() / p.norm()).item() for k, (o, p) in enumerate(zip(got, plain)) if k not in full}
-    measured = (state.current.sensitivity, torchfix.deepcache.stats(model)["sensitivity"])
+    measured = (dict(state.current.sensitivity), torchfix.deepcache.stats(model)["sensitivity"])
     torchfix.deepcache.remove(model)
     return errors, measured, full
 
@@ -279,7 +292,8 @@ def test_a_measured_sensitivity_makes_cached_steps_exact_on_affine_blocks():
     errors, (per_part, reported), full = _affine_run(warm_up=False, sensitivity=None)
     residual, _, _ = _affine_run(warm_up=False, sensitivity=1.0)
     assert sorted(full) == [0, 3, 6, 9]  # measured first at step 6 (its forecast from steps 0 and 3)
-    assert abs(per_part[1] - 0.36) < 1e-9 and per_part[0] is None and reported == pytest.approx(0.36)  # no text change
+    # per (run, stream) and per sample: the image stream (1) measured 0.36, the text stream (0) nothing (it does not change)
+    assert float((per_part[(0, 1)] - 0.36).abs().max()) < 1e-9 and (0, 0) not in per_part and reported == pytest.approx(0.36)
     assert max(errors[k] for k in (7, 8, 10, 11)) < 1e-12  # exact
     assert min(residual[k] for k in (7, 8, 10, 11)) > 1e-3  # the residual forecast is not
     assert [errors[k] for k in (1, 2, 4, 5)] == [residual[k] for k in (1, 2, 4, 5)]  # before it both add the residual
@@ -290,7 +304,7 @@ def test_after_a_warm_up_the_sensitivity_is_not_measured_from_step_0():
     denoiser's features change fastest: it measures nothing; step 8's (from steps 2 and 5) does."""
     errors, (per_part, _), full = _affine_run(warm_up=True, sensitivity=None)
     residual, _, _ = _affine_run(warm_up=True, sensitivity=1.0)
-    assert sorted(full) == [0, 2, 5, 8, 11] and abs(per_part[1] - 0.36) < 1e-9
+    assert sorted(full) == [0, 2, 5, 8, 11] and float((per_part[(0, 1)] - 0.36).abs().max()) < 1e-9
     assert [errors[k] for k in (1, 3, 4, 6, 7)] == [residual[k] for k in (1, 3, 4, 6, 7)]  # no measurement at step 5
     assert max(errors[9], errors[10]) < 1e-12 < min(residual[9], residual[10])  # measured at step 8
 

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 hooks = pytest.importorskip("diffusers.hooks")
 
 from torchfix import testing  # noqa: E402
-from torchfix.deepcache.runtime import HOOK_NAME  # noqa: E402
+from torchfix.deepcache.unet import HOOK_NAME  # noqa: E402
 from torchfix.testing import latents  # noqa: E402
 
 CFG = torchfix.DeepCacheConfig(interval=3)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchfix
+from torchfix import families
 from torchfix.deepcache import DeepCacheConfig
 from torchfix.deepcache.forecast import interpolate
 
@@ -64,6 +65,19 @@ class _LineTransformer(torch.nn.Module):
         for block in self.transformer_blocks:
             encoder_hidden_states, h = block(h, encoder_hidden_states, temb)
         return (self.proj_out(self.norm_out(h, 0.1 * temb)),)
+
+
+# A family entry for the toy: Flux's layout (blocks, then norm_out and proj_out), so its cached steps may be revised.
+families.register(
+    families.Family(
+        "test-line",
+        "line blocks (a test's)",
+        ("_LineTransformer",),
+        blocks=(families.Blocks("transformer_blocks", {"image": "hidden_states", "text": "encoder_hidden_states"}, ("text", "image")),),
+        tail=("norm_out", "proj_out"),
+    ),
+    replace=True,
+)
 
 
 class _Pipe:

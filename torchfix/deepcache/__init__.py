@@ -1,30 +1,41 @@
-"""Resolution-tolerant DeepCache for diffusers UNets and diffusion transformers (SD3, Flux) that is never stale.
+"""Resolution-tolerant DeepCache that is never stale, for every denoiser family torchfix knows: diffusers
+UNets (SD1.x/2.x/SDXL) and the diffusion transformers of :mod:`torchfix.families` (SD3, Flux.1/2, Qwen-Image,
+Wan, HunyuanVideo, LTX, ...).
 
 >>> import torchfix
 >>> cfg = torchfix.DeepCacheConfig(interval=3, branch=0)
 >>> # torchfix.deepcache.apply(pipe, cfg); pipe(...); torchfix.deepcache.remove(pipe)
 """
 
+from ..errors import UnsupportedModelError, UnsupportedUNetError
+from .api import DeepCacheState, TransformerCacheState, apply, check, denoisers, new_call, remove, state_of, states_of, stats
+from .blocks import BlockState, TransformerLayout, analyse_transformer
 from .config import DeepCacheConfig, full_steps, is_full_step
-from .layout import Layout, UnsupportedUNetError, analyse
-from .runtime import DeepCacheState, apply, check, new_call, remove, state_of, stats
-from .transformer import TransformerCacheState, TransformerLayout, analyse_transformer
+from .engine import CacheState
+from .layout import Layout, analyse
+from .unet import UNetState
 
 __all__ = [
+    "BlockState",
+    "CacheState",
     "DeepCacheConfig",
     "DeepCacheState",
     "Layout",
     "TransformerCacheState",
     "TransformerLayout",
+    "UNetState",
+    "UnsupportedModelError",
     "UnsupportedUNetError",
     "analyse",
     "analyse_transformer",
     "apply",
     "check",
+    "denoisers",
     "full_steps",
     "is_full_step",
     "new_call",
     "remove",
     "state_of",
+    "states_of",
     "stats",
 ]

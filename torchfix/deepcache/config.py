@@ -196,15 +196,20 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def for_family(config: DeepCacheConfig, family: str) -> DeepCacheConfig:
-    """``config`` with what it leaves as ``None`` filled in for ``family`` (``"unet"`` or ``"transformer"``).
+def for_family(config: DeepCacheConfig, family: Any) -> DeepCacheConfig:
+    """``config`` with what it leaves as ``None`` filled in for ``family``: a :class:`torchfix.families.Family`
+    (its kind's defaults, then its own), or a kind (``"unet"`` or ``"transformer"``).
 
     >>> for_family(DeepCacheConfig(interval=4), "transformer").stop
     0.9
     >>> for_family(DeepCacheConfig(interval=4, stop=1.0), "transformer").stop
     1.0
     """
-    unset = {k: v for k, v in FAMILY_DEFAULTS[family].items() if getattr(config, k) is None}
+    if isinstance(family, str):
+        defaults = dict(FAMILY_DEFAULTS[family])
+    else:
+        defaults = {**FAMILY_DEFAULTS[family.kind], "keep_first": family.keep_first, "keep_last": family.keep_last, **family.defaults}
+    unset = {k: v for k, v in defaults.items() if getattr(config, k) is None}
     return dataclasses.replace(config, **unset) if unset else config
 
 

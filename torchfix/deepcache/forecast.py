@@ -19,14 +19,13 @@ tensor([5.])
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ._graphs import outside_graphs
 
-__all__ = ["for_this_step", "forecast", "interpolate", "keep_pending", "moved", "remember", "sensitivity"]
+__all__ = ["forecast", "interpolate", "moved", "per_sample", "remember", "sensitivity"]
 
 Value = Any  # a tensor, or a tuple of tensors and None (a transformer's (text, image) residual)
 
@@ -100,14 +99,19 @@ def interpolate(history: list[tuple[int, Value]], index: int) -> Value:
 
 @outside_graphs
 def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
-    """How far ``now`` moved from ``ref``: ``mean|now − ref| / mean|ref|`` (FirstBlockCache's measure).
+    """How far ``now`` moved from ``ref``: ``mean|now − ref| / mean|ref|`` (FirstBlockCache's measure), per sample
+    of the batch (dimension 0), the largest: no sample is cached once it moved as far as the threshold.
 
     >>> import torch
     >>> round(moved(torch.tensor([1.1, 2.0]), torch.tensor([1.0, 2.0])), 4)
     0.0333
+    >>> round(moved(torch.tensor([[1.1, 2.0], [1.0, 2.0]]), torch.tensor([[1.0, 2.0], [1.0, 2.0]])), 4)
+    0.0333
     """
-    diff = (now.float() - ref.float()).abs().mean()
-    return float(diff / ref.float().abs().mean().clamp_min(1e-12))
+    if now.dim() < 2:
+        now, ref = now.unsqueeze(0), ref.unsqueeze(0)
+    diff = (now.float() - ref.float()).abs().flatten(1).mean(1)
+    return float((diff / ref.float().abs().flatten(1).mean(1).clamp_min(1e-12)).max())
 
 
 @outside_graphs
@@ -123,31 +127,28 @@ def sensitivity(residual_error: torch.Tensor, input_error: torch.Tensor) -> floa
     >>> round(sensitivity(-0.7 * e_in, e_in), 3)  # the blocks undo 70% of an input change
     0.3
     """
-    wide = torch.promote_types(input_error.dtype, torch.float32)  # half precision sums in float32
-    e_in = input_error.to(wide)
-    power = float((e_in * e_in).sum())
-    if not math.isfinite(power) or power <= 1e-30:
-        return None
-    slope = 1.0 + float((residual_error.to(wide) * e_in).sum()) / power
-    return min(max(slope, 0.0), 1.0) if math.isfinite(slope) else None
-
-
-# A cache state (UNet or transformer) has ``current`` (the stream of the call in progress, with ``history``
-# and ``step``), ``config.forecast`` and ``pending`` (the value a full step produced, not yet in the history).
+    slopes = per_sample(residual_error.reshape(1, -1), input_error.reshape(1, -1))
+    return None if slopes is None else float(slopes[0])
 
 
 @outside_graphs
-def for_this_step(state: Any) -> Value:
-    """The value forecast for the cached step in progress, from its stream's history (eager: the step
-    gaps are Python numbers)."""
-    stream = state.current
-    return forecast(stream.history, stream.step - 1, state.config.forecast)
+def per_sample(residual_error: torch.Tensor, input_error: torch.Tensor) -> torch.Tensor | None:
+    """:func:`sensitivity` for each sample of the batch (dimension 0), as a tensor (float32 at least) shaped to broadcast
+    against the inputs (``[B, 1, ...]``); a sample with nothing to measure gets 1.0 (its input passes through).
+    ``None`` where no sample has anything to measure. Each sample is measured alone, so a batch of two is
+    cached as two calls of one would be.
 
-
-def keep_pending(state: Any, order: int = 0) -> None:
-    """After a full step: the value it produced joins its stream's history, keeping what the forecast order
-    (or ``order``, where more is needed) needs. Called eagerly, outside any graph (the history is a Python
-    list whose length a graph would guard on)."""
-    if state.pending is not None and state.current is not None:
-        remember(state.current.history, state.current.step - 1, state.pending, max(state.config.forecast, order))
-    state.pending = None
+    >>> import torch
+    >>> e_in = torch.tensor([[1.0, -2.0], [0.0, 0.0]])
+    >>> per_sample(-0.5 * e_in, e_in).flatten().tolist()
+    [0.5, 1.0]
+    """
+    wide = torch.promote_types(input_error.dtype, torch.float32)  # half precision sums in float32
+    e_in = input_error.to(wide).flatten(1)
+    power = (e_in * e_in).sum(1)
+    defined = torch.isfinite(power) & (power > 1e-30)
+    if not bool(defined.any()):
+        return None
+    slope = 1.0 + (residual_error.to(wide).flatten(1) * e_in).sum(1) / torch.where(defined, power, torch.ones_like(power))
+    slope = torch.where(defined & torch.isfinite(slope), slope.clamp(0.0, 1.0), torch.ones_like(slope))
+    return slope.reshape(-1, *([1] * (input_error.dim() - 1)))

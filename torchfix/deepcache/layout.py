@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SUPPORTED_DOWN", "SUPPORTED_UP", "Layout", "UnsupportedUNetError", "analyse"]
+from ..errors import UnsupportedModelError, UnsupportedUNetError
+
+__all__ = ["SUPPORTED_DOWN", "SUPPORTED_UP", "Layout", "UnsupportedModelError", "UnsupportedUNetError", "analyse"]
 
 SUPPORTED_DOWN = ("CrossAttnDownBlock2D", "DownBlock2D")
 SUPPORTED_UP = ("CrossAttnUpBlock2D", "UpBlock2D")
 _HELPERS = ("get_time_embed", "get_class_embed", "get_aug_embed", "process_encoder_hidden_states", "time_embedding", "conv_in", "conv_out")
 
 
-class UnsupportedUNetError(ValueError):
-    """The UNet lacks what DeepCache needs; the message names what is missing."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,14 @@ def analyse(unet: torch.nn.Module) -> Layout:
     name = type(unet).__name__
     missing = [h for h in (*_HELPERS, "down_blocks", "up_blocks") if not hasattr(unet, h)]
     if missing:
-        raise UnsupportedUNetError(
-            f"torchfix.deepcache: {name} lacks {', '.join(missing)}; DeepCache supports diffusers UNet2DConditionModel "
+        raise UnsupportedModelError(
+            f"torchfix.deepcache: {name} lacks {', '.join(missing)}; DeepCache's UNet family is diffusers' UNet2DConditionModel "
             "(SD1.x/2.x/SDXL layouts, diffusers >= 0.27)."
         )
     producers: list[tuple] = [("conv_in",)]
     for b, block in enumerate(unet.down_blocks):
         if type(block).__name__ not in SUPPORTED_DOWN:
-            raise UnsupportedUNetError(
+            raise UnsupportedModelError(
                 f"torchfix.deepcache: down_blocks.{b} is {type(block).__name__}; supported down blocks: {', '.join(SUPPORTED_DOWN)}."
             )
         producers += [("layer", b, j) for j in range(len(block.resnets))]
@@ -72,15 +72,15 @@ def analyse(unet: torch.nn.Module) -> Layout:
     consumers: dict[int, tuple[int, int]] = {}
     for i, block in enumerate(unet.up_blocks):
         if type(block).__name__ not in SUPPORTED_UP:
-            raise UnsupportedUNetError(
+            raise UnsupportedModelError(
                 f"torchfix.deepcache: up_blocks.{i} is {type(block).__name__}; supported up blocks: {', '.join(SUPPORTED_UP)}."
             )
         n = len(block.resnets)
         if n > len(remaining):
-            raise UnsupportedUNetError(f"torchfix.deepcache: up_blocks.{i} consumes more skip connections than the down path makes.")
+            raise UnsupportedModelError(f"torchfix.deepcache: up_blocks.{i} consumes more skip connections than the down path makes.")
         taken, remaining = remaining[-n:], remaining[:-n]
         for j, k in enumerate(reversed(taken)):
             consumers[k] = (i, j)
     if remaining:
-        raise UnsupportedUNetError(f"torchfix.deepcache: {len(remaining)} skip connection(s) of {name} are never consumed.")
+        raise UnsupportedModelError(f"torchfix.deepcache: {len(remaining)} skip connection(s) of {name} are never consumed.")
     return Layout(tuple(producers), tuple(consumers[k] for k in range(len(producers))))

@@ -24,6 +24,7 @@ from .config import early_steps_move
 
 __all__ = [
     "MAX_STREAMS",
+    "clock",
     "engaged",
     "ensure_installed",
     "enter",
@@ -35,6 +36,9 @@ __all__ = [
     "keep_summary",
     "last_call",
     "scoped",
+    "signature_of",
+    "stream_key",
+    "unhook_scheduler",
 ]
 
 log = logging.getLogger("torchfix")
@@ -58,8 +62,8 @@ def engaged(state: Any) -> bool:
     """Whether this call caches: always for a model-wide ``apply``, only inside its scope for ``wrap``'s."""
     return state.scope is None or _SCOPE.get() is state.scope
 
-# Streams kept per generation before it is treated as a new one.
-MAX_STREAMS = 4
+# Streams kept per generation before it is treated as a new one (LTX runs four guidance passes a step).
+MAX_STREAMS = 8
 
 
 class _HasPrompt(Protocol):
@@ -72,22 +76,60 @@ class _HasPrompt(Protocol):
 S = TypeVar("S", bound=_HasPrompt)
 
 
-def enter(state: Any, latents: torch.Tensor, prompt: Any, new_stream: type[S]) -> S:
+def signature_of(latents: Any) -> tuple:
+    """What a generation's latents look like: shape, dtype and device (of each, for a list of tensors)."""
+    if isinstance(latents, torch.Tensor):
+        return (tuple(latents.shape), latents.dtype, latents.device)
+    if isinstance(latents, (list, tuple)):
+        return tuple(signature_of(t) for t in latents)
+    return (type(latents).__name__,)
+
+
+def stream_key(context: str | None, prompt: Any) -> tuple[str | None, Any]:
+    """A stream's key: the ``cache_context`` name the pipeline set for this call (diffusers' "cond", "uncond",
+    "uncond_stg", ...: passes that share a prompt stay apart), and the prompt object (a list of prompt tensors
+    by its tensors: a pipeline may rebuild the list around the same tensors)."""
+    if isinstance(prompt, (list, tuple)):
+        return context, tuple(id(p) for p in prompt)
+    return context, id(prompt)
+
+
+def _same_prompt(held: Any, prompt: Any) -> bool:
+    if isinstance(prompt, (list, tuple)) and isinstance(held, (list, tuple)):
+        return len(held) == len(prompt) and all(a is b for a, b in zip(held, prompt))
+    return held is prompt
+
+
+def enter(state: Any, latents: Any, prompt: Any, new_stream: type[S], context: str | None = None) -> S:
     """The stream of this call, after starting a new generation where needed: the pipeline asked for
     one (``state.pending_new_call``), the latents changed shape, dtype or device, or a new stream would
     exceed :data:`MAX_STREAMS`. ``state`` has ``streams``, ``signature``, ``pending_new_call``,
-    ``generations``, ``current`` and ``reset()``."""
-    signature = (tuple(latents.shape), latents.dtype, latents.device)
-    if state.pending_new_call or signature != state.signature or (id(prompt) not in state.streams and len(state.streams) >= MAX_STREAMS):
+    ``generations``, ``current`` and ``reset()``. A new stream notes the scheduler's step it starts at
+    (:func:`clock`): Wan 2.2's second expert starts mid-generation."""
+    signature = signature_of(latents)
+    key = stream_key(context, prompt)
+    if state.pending_new_call or signature != state.signature or (key not in state.streams and len(state.streams) >= MAX_STREAMS):
         state.reset()
         state.pending_new_call = False
         state.signature = signature
         state.generations += 1
-    stream = state.streams.get(id(prompt))
-    if stream is None or stream.prompt is not prompt:  # the id of a prompt that is gone may be reused
-        stream = state.streams[id(prompt)] = new_stream(prompt)
+    stream = state.streams.get(key)
+    if stream is None or not _same_prompt(stream.prompt, prompt):  # the id of a prompt that is gone may be reused
+        stream = state.streams[key] = new_stream(prompt)
+        stream.start = clock(state)
     state.current = stream
     return stream
+
+
+def clock(state: Any) -> int:
+    """How many steps of this generation the scheduler has taken (its ``step_index`` less the steps an img2img
+    pipeline skips), 0 where it does not say."""
+    scheduler = state.scheduler() if state.scheduler is not None else None
+    index = getattr(scheduler, "step_index", None)
+    if not isinstance(index, int):
+        return 0
+    begin = getattr(scheduler, "begin_index", None)
+    return max(index - begin, 0) if isinstance(begin, int) else index
 
 
 def last_call(state: Any) -> dict[str, Any]:
@@ -129,6 +171,13 @@ def generation_config(state: Any) -> Any:
     """The config this generation's steps follow: ``state.schedule`` where the scheduler decided the warm-up
     (:func:`_restart`), else the config applied."""
     return state.schedule or state.config
+
+
+def stream_steps(state: Any, stream: Any) -> int | None:
+    """Denoiser calls ``stream`` gets in this generation, counted from its first: the generation's steps less
+    those taken before it started (a second expert's share), ``None`` where unknown."""
+    total = generation_steps(state)
+    return None if total is None else max(total - getattr(stream, "start", 0), 1)
 
 
 def generation_steps(state: Any) -> int | None:
@@ -176,33 +225,63 @@ def _restart(state: Any, scheduler: Any) -> None:
     if config.warm_up is None and timesteps is not None:  # the schedule decides: an early second full step pays only
         values = timesteps.tolist() if hasattr(timesteps, "tolist") else list(timesteps)  # a tensor, an array, a list
         state.schedule = dataclasses.replace(config, warm_up=early_steps_move(values))  # where it moves early
-    if hasattr(state, "sigmas"):  # a transformer that can revise its cached steps needs each step's size
-        state.sigmas = flow_euler_sigmas(scheduler) if state.cannot_revise is None else None
+    state.sigmas = flow_euler_sigmas(scheduler) if state.may_revise() else None
 
 
-def _hook_scheduler(state: Any, scheduler: Any) -> None:
-    """Reset the state whenever ``scheduler`` sets its timesteps (a pipeline call starts), with the step
-    count it set; re-install DeepCache's forwards if another hook replaced them since the last call."""
-    if state.scheduler_hook is not None:
-        state.scheduler_hook.restore()
-        state.scheduler_hook = None
-    set_timesteps = getattr(scheduler, "set_timesteps", None)
-    state.scheduler = None if scheduler is None else weakref.ref(scheduler)
-    if not callable(set_timesteps):
-        return
-    state_ref = weakref.ref(state)
+@dataclasses.dataclass
+class _SchedulerHook:
+    """One ``set_timesteps`` hook per scheduler, shared by every state that follows it (Wan 2.2's two experts
+    run on one scheduler): a new pipeline call restarts each of them. Gone with the last of them."""
 
+    handle: Any
+    states: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
+
+
+_SCHEDULER_HOOKS: weakref.WeakKeyDictionary[Any, _SchedulerHook] = weakref.WeakKeyDictionary()
+
+
+def _hooked_set_timesteps(scheduler_ref: weakref.ref, set_timesteps: Any) -> Any:
     @functools.wraps(set_timesteps)
     def hooked(*args: Any, **kwargs: Any) -> Any:
         result = set_timesteps(*args, **kwargs)
-        live = state_ref()
-        if live is not None:
+        scheduler = scheduler_ref()
+        hook = _SCHEDULER_HOOKS.get(scheduler) if scheduler is not None else None
+        for live in list(hook.states) if hook is not None else ():
             ensure_installed(live)
             if engaged(live):  # another pipeline sharing this scheduler leaves a scoped state alone
                 _restart(live, scheduler)
         return result
 
-    state.scheduler_hook = instance.set_attr(scheduler, "set_timesteps", hooked)
+    return hooked
+
+
+def unhook_scheduler(state: Any) -> None:
+    """Stop following the scheduler; its ``set_timesteps`` is put back once no state follows it."""
+    scheduler = state.scheduler() if state.scheduler is not None else None
+    hook = _SCHEDULER_HOOKS.get(scheduler) if scheduler is not None else None
+    if hook is not None:
+        hook.states.discard(state)
+        if not hook.states:
+            hook.handle.restore()
+            del _SCHEDULER_HOOKS[scheduler]
+    state.scheduler = None
+
+
+def _hook_scheduler(state: Any, scheduler: Any) -> None:
+    """Reset the state whenever ``scheduler`` sets its timesteps (a pipeline call starts), with the step
+    count it set; re-install DeepCache's forwards if another hook replaced them since the last call."""
+    unhook_scheduler(state)
+    if scheduler is None:
+        return
+    state.scheduler = weakref.ref(scheduler)
+    hook = _SCHEDULER_HOOKS.get(scheduler)
+    if hook is None:
+        set_timesteps = getattr(scheduler, "set_timesteps", None)
+        if not callable(set_timesteps):
+            return
+        handle = instance.set_attr(scheduler, "set_timesteps", _hooked_set_timesteps(weakref.ref(scheduler), set_timesteps))
+        hook = _SCHEDULER_HOOKS[scheduler] = _SchedulerHook(handle)
+    hook.states.add(state)
 
 
 def follow_scheduler(state: Any, pipe: Any = None) -> None:

@@ -91,6 +91,25 @@ def _hook_registry() -> Any:
     return HookRegistry, ModelHook
 
 
+def _context_listener(on_context: Callable[[Any], None]) -> Any:
+    """An object diffusers' ``cache_context`` hands each call's context to (``None`` after the call): its
+    ``_set_cache_context`` finds every ``StateManager`` on a stateful hook. ``None`` where this diffusers has none."""
+    try:
+        from diffusers.hooks.hooks import BaseState, StateManager
+    except ImportError:
+        return None
+
+    class _Listener(StateManager):
+        def __init__(self) -> None:
+            super().__init__(BaseState)
+
+        def set_context(self, context: Any) -> None:
+            super().set_context(context)
+            on_context(context)
+
+    return _Listener()
+
+
 @dataclass
 class ForwardHandle:
     """A ``forward`` replaced by :func:`wrap_forward`; ``restore()`` takes it out of the chain.
@@ -105,6 +124,7 @@ class ForwardHandle:
     name: str
     make: Callable[[Forward, Forward], Forward] = field(repr=False)
     reset: Callable[[], None] | None = field(default=None, repr=False)
+    on_context: Callable[[Any], None] | None = field(default=None, repr=False)
     attr: AttrHandle | None = None  # the plain path (no diffusers HookRegistry)
     created_registry: bool = False
     had_forward: bool = False
@@ -133,7 +153,7 @@ class ForwardHandle:
             # Drop our stale entry without touching module.forward (diffusers' remove_hook would
             # put back the forward we wrapped, which is the one that was replaced), then register anew.
             _drop_entry(registry, self.name)
-            _register(self.module, self.name, self.make, self.reset)
+            _register(self.module, self.name, self.make, self.reset, self.on_context)
         else:
             self.attr = set_attr(self.module, "forward", self.make(self.module.forward, self.module.forward))
         self.installed = vars(self.module).get("forward")
@@ -155,10 +175,15 @@ class ForwardHandle:
             _drop_entry(registry, self.name)  # someone re-installed a forward over ours: leave theirs
         else:
             registry.remove_hook(self.name, recurse=False)
-        if self.created_registry and not registry.hooks:  # nobody else hooked it: leave the module as it was
+        if registry.hooks or not reached:
+            return
+        if self.created_registry:  # nobody else hooked it: leave the module as it was
             vars(self.module).pop("_diffusers_hook", None)
-            if not self.had_forward and reached:
-                vars(self.module).pop("forward", None)
+        forward = vars(self.module).get("forward")
+        if not self.had_forward and getattr(forward, "__self__", None) is self.module and getattr(forward, "__func__", None) is getattr(
+            type(self.module), "forward", None
+        ):  # the registry put back the class's own forward as an instance attribute: take it off again
+            vars(self.module).pop("forward", None)
 
 
 def _drop_entry(registry: Any, name: str) -> None:
@@ -169,16 +194,24 @@ def _drop_entry(registry: Any, name: str) -> None:
     registry._fn_refs.pop(index)
 
 
-def _register(module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None) -> None:
+def _register(
+    module: torch.nn.Module,
+    name: str,
+    make: Callable[[Forward, Forward], Forward],
+    reset: Callable[[], None] | None,
+    on_context: Callable[[Any], None] | None = None,
+) -> None:
     registry_cls, model_hook = _hook_registry()
     source = module.forward
 
     class _TorchfixHook(model_hook):  # type: ignore[misc, valid-type]
-        _is_stateful = reset is not None
+        _is_stateful = reset is not None or on_context is not None
 
         def __init__(self) -> None:
             super().__init__()
             self.forward = make(lambda *a, **k: self.fn_ref.original_forward(*a, **k), source)
+            if on_context is not None:
+                self.contexts = _context_listener(on_context)
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return self.forward(*args, **kwargs)
@@ -192,7 +225,11 @@ def _register(module: torch.nn.Module, name: str, make: Callable[[Forward, Forwa
 
 
 def wrap_forward(
-    module: torch.nn.Module, name: str, make: Callable[[Forward, Forward], Forward], reset: Callable[[], None] | None = None
+    module: torch.nn.Module,
+    name: str,
+    make: Callable[[Forward, Forward], Forward],
+    reset: Callable[[], None] | None = None,
+    on_context: Callable[[Any], None] | None = None,
 ) -> ForwardHandle:
     """Replace ``module.forward`` by ``make(call_original, signature_source)``.
 
@@ -201,16 +238,17 @@ def wrap_forward(
     ``HookRegistry``, the replacement is registered there as the named ``ModelHook`` ``name``
     (``reset`` as its ``reset_state``), so diffusers' layerwise casting, group offloading and
     caches see it and compose with it, in any order; otherwise it is an instance attribute.
-    Either way ``restore()`` takes exactly it out.
+    Either way ``restore()`` takes exactly it out. ``on_context`` gets the ``cache_context`` diffusers'
+    pipelines set around each call of the module (and ``None`` after it), where diffusers has them.
     """
     if _hook_registry() is None:
         source = module.forward
-        handle = ForwardHandle(module, name, make, reset, attr=set_attr(module, "forward", make(source, source)))
+        handle = ForwardHandle(module, name, make, reset, on_context, attr=set_attr(module, "forward", make(source, source)))
     else:
         created = not hasattr(module, "_diffusers_hook")
         had_forward = "forward" in vars(module)
-        _register(module, name, make, reset)
-        handle = ForwardHandle(module, name, make, reset, created_registry=created, had_forward=had_forward)
+        _register(module, name, make, reset, on_context)
+        handle = ForwardHandle(module, name, make, reset, on_context, created_registry=created, had_forward=had_forward)
     handle.installed = vars(module).get("forward")
     return handle
 

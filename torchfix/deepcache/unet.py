@@ -1,0 +1,145 @@
+"""DeepCache for diffusers UNets (SD1.x/2.x/SDXL): on a cached step, only the shallow part of the UNet runs,
+around the deep feature of the last full steps (:mod:`torchfix.deepcache.shallow`), at any latent size.
+
+The deep feature is what enters skip connection ``branch``'s consumer; a full step keeps it (one *run*, in the
+engine's terms), a cached step forecasts it. UNet calls are counted, never looked up by timestep value, so
+nothing synchronises with the device and repeated timesteps (Heun) or keyword/int/1-D timesteps are all fine.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..families import Family
+from ..patches import instance
+from . import engine
+from ._graphs import outside_graphs
+from .config import DeepCacheConfig
+from .layout import Layout
+from .shallow import shallow_forward
+
+__all__ = ["UNetState", "apply_unet"]
+
+log = logging.getLogger("torchfix")
+
+# The name DeepCache's forward has in diffusers' HookRegistry (where the installed diffusers has one).
+HOOK_NAME = "torchfix_deepcache"
+
+
+@dataclass(eq=False)
+class UNetState(engine.CacheState):
+    """The cache of one UNet: the engine's state and the skip layout.
+
+    A pipeline that runs its guidance branches as separate UNet calls (modular guiders, PAG,
+    low-memory samplers) passes a different ``encoder_hidden_states`` to each: each is a
+    *stream* with its own step count and cached feature, so caching works as in the batched
+    case and no branch sees another's feature.
+    """
+
+    layout: Layout | None = None
+    capturing: bool = False
+
+    @property
+    def feature(self) -> torch.Tensor | None:
+        """The current stream's cached deep feature."""
+        return None if self.current is None else self.current.last()
+
+    def describe(self) -> str:
+        return self.layout.describe(self.config.branch)
+
+
+@outside_graphs
+def _decide(state: UNetState, sample: torch.Tensor, prompt: Any, arguments: dict[str, Any]) -> bool | None:
+    """True for a full step, False for a cached one, None to run the UNet untouched (outside the scope of
+    ``torchfix.wrap``'s call). A UNet's cached step recomputes from the sample, so with a threshold the sample is
+    what the features are judged by."""
+    mode = engine.decide(state, sample, prompt, arguments)
+    if mode == "off":
+        return None
+    if mode == "probe":
+        mode = engine.probe(state, sample)
+    full = mode != "cached"
+    state.capturing = mode == "full" or (mode == "plain" and state.config.interval > 1)
+    if full:
+        engine.keep_reference(state, sample)
+    return full
+
+
+@outside_graphs
+def _done_full(state: UNetState) -> None:
+    """After a full step: its deep feature joins the stream's history (eager: the history is a Python list)."""
+    state.capturing = False
+    engine.keep_pending(state)
+
+
+def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool) -> Any:
+    # Stores a reference (no copy) to the tensor entering the branch's consumer.
+    def keep(state: UNetState | None, h: Any) -> None:
+        if state is not None and state.capturing and state.current is not None:
+            state.pending[0] = h.detach()  # joins the stream's history after the call, outside any graph
+
+    if pre:
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            keep(state_ref(), kwargs.get("hidden_states", args[0] if args else None))
+
+        return hook
+
+    def hook_out(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        keep(state_ref(), output[0] if isinstance(output, tuple) else getattr(output, "sample", output))
+
+    return hook_out
+
+
+def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
+    """The factory :func:`instance.wrap_forward` builds the UNet's forward with."""
+    unet_ref = weakref.ref(unet)
+
+    def make(original: Any, source: Any) -> Any:
+        sig = inspect.signature(source)
+
+        @functools.wraps(source)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            arguments = sig.bind(*args, **kwargs).arguments
+            full = _decide(state, arguments["sample"], arguments.get("encoder_hidden_states"), arguments)
+            if full is None:
+                return original(*args, **kwargs)
+            if full:
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    _done_full(state)
+            extra = arguments.pop("kwargs", None) or {}
+            feature = engine.for_this_step(state)
+            return shallow_forward(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)
+
+        forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+        return forward
+
+    return make
+
+
+def apply_unet(unet: torch.nn.Module, family: Family, config: DeepCacheConfig, layout: Layout) -> UNetState:
+    """Install the capture hook and the forward on ``unet`` (the caller registers the state and follows the scheduler)."""
+    state = UNetState(family, config, unet.forward, layout=layout)
+    state.follow(unet)
+    state_ref = weakref.ref(state)
+    i, j = layout.consumers[config.branch]
+    up = unet.up_blocks[i]
+    if j == 0:
+        state.handles.append(instance.add_hook(up, _capture_hook(state_ref, pre=True), pre=True, with_kwargs=True))
+    else:
+        producer = up.attentions[j - 1] if getattr(up, "attentions", None) is not None else up.resnets[j - 1]
+        state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False)))
+    state.handles.append(
+        instance.wrap_forward(unet, HOOK_NAME, _make_forward(unet, state), reset=state.reset, on_context=engine.context_listener(state_ref))
+    )
+    log.debug("torchfix.deepcache: applied to %s (%s, interval=%d)", type(unet).__name__, layout.describe(config.branch), config.interval)
+    return state

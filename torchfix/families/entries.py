@@ -1,0 +1,325 @@
+"""The model families torchfix knows: one entry each (see :class:`torchfix.families.Family`).
+
+Each signature was read off the family's forward in diffusers 0.42.1 and is checked again on the first call of
+every model (``torchfix.deepcache.blocks``): a block list that returns other streams, in another order, or
+passes them elsewhere is refused. Adding a family is one entry here and one tiny builder in
+``torchfix.testing.FAMILIES`` (docs/families.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .spec import Blocks, Family, Width, register
+
+__all__ = ["LIKELY"]
+
+IMAGE_TEXT = {"image": "hidden_states", "text": "encoder_hidden_states"}
+
+
+def joint(attr: str, order: tuple[str, str] = ("text", "image")) -> Blocks:
+    """A list of blocks that update the image and the text stream (MMDiT); ``order``: what they return."""
+    return Blocks(attr, IMAGE_TEXT, order)
+
+
+def single(attr: str, param: str = "hidden_states") -> Blocks:
+    """A list of blocks that update one stream (image tokens, or image and text tokens joined)."""
+    return Blocks(attr, {"image": param}, ("image",))
+
+
+# Widths of well-known checkpoints' conditioning, for the hint of an error about embeddings of another width.
+LIKELY = {
+    ("text", 768): "SD1.5",
+    ("text", 1024): "SD2.x",
+    ("text", 2048): "SDXL",
+    ("text", 1280): "the SDXL refiner",
+    ("text", 4096): "SD3/SD3.5 or Flux",
+    ("pooled", 1280): "SDXL",
+    ("pooled", 2048): "SD3/SD3.5",
+    ("pooled", 768): "Flux",
+}
+
+# --- UNets ---------------------------------------------------------------------------------------------------
+
+
+def _time_ids(pipe: Any) -> int:
+    """How many time ids an SDXL-family UNet's ``text_time`` conditioning takes: 6 (size, crop, target size),
+    5 for the refiner layout (size, crop, aesthetic score)."""
+    config = getattr(pipe, "config", None)
+    aesthetics = (
+        config.get("requires_aesthetics_score", False) if isinstance(config, dict) else getattr(config, "requires_aesthetics_score", False)
+    )
+    return 5 if aesthetics else 6
+
+
+def _unet_text(pipe: Any) -> tuple[int, str] | None:
+    """The text width a diffusers UNet takes: its ``encoder_hid_dim`` where it projects the text, else its
+    ``cross_attention_dim``."""
+    c = pipe.unet.config
+    if isinstance(c.get("encoder_hid_dim"), int) and c.get("encoder_hid_dim_type") in (None, "text_proj", "text_image_proj"):
+        return c.encoder_hid_dim, f"unet.config.encoder_hid_dim={c.encoder_hid_dim}, projected to cross_attention_dim"
+    if isinstance(c.cross_attention_dim, int):
+        return c.cross_attention_dim, f"unet.config.cross_attention_dim={c.cross_attention_dim}"
+    return None
+
+
+def _unet_pooled(pipe: Any) -> tuple[int, str] | None:
+    """The pooled text width an SDXL-family UNet's ``text_time`` conditioning takes: what remains of its added
+    conditioning after the time ids."""
+    c = pipe.unet.config
+    if c.addition_embed_type != "text_time" or not isinstance(c.projection_class_embeddings_input_dim, int):
+        return None
+    ids, dim, total = _time_ids(pipe), c.addition_time_embed_dim or 0, c.projection_class_embeddings_input_dim
+    return total - ids * dim, f"projection_class_embeddings_input_dim={total} minus {ids} time ids × addition_time_embed_dim={dim}"
+
+
+register(
+    Family(
+        "unet",
+        "SD1.x/2.x/SDXL (UNet)",
+        ("UNet2DConditionModel",),
+        kind="unet",
+        latent="sample",
+        full_only=("down_intrablock_additional_residuals",),
+        defaults={"forecast": 2, "stop": 1.0, "keep_first": 1, "keep_last": 1},
+        widths=(
+            Width("text", _unet_text, ("text_encoder", "text_encoder_2"), label="text encoder"),
+            Width("pooled", _unet_pooled, ("text_encoder_2",), attr="projection_dim", label="CLIP", required=True),
+        ),
+        pipelines=(
+            "StableDiffusionPipeline",
+            "StableDiffusionXLPipeline",
+            "StableDiffusionXLImg2ImgPipeline",
+            "StableDiffusionControlNetPipeline",
+        ),
+    )
+)
+
+# --- Image transformers --------------------------------------------------------------------------------------
+
+register(
+    Family(
+        "sd3",
+        "SD3/SD3.5",
+        ("SD3Transformer2DModel",),
+        blocks=(joint("transformer_blocks"),),
+        keep_last=1,  # its last block drops the text stream (context_pre_only): it must run
+        widths=(
+            Width("text", "joint_attention_dim", ("text_encoder_3",), label="T5"),
+            Width("text", "joint_attention_dim", ("text_encoder", "text_encoder_2"), label="CLIP", padded=True),
+            Width("pooled", "pooled_projection_dim", ("text_encoder", "text_encoder_2"), attr="projection_dim", label="CLIP"),
+        ),
+        pipelines=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3ControlNetPipeline"),
+    )
+)
+register(
+    Family(
+        "flux",
+        "Flux.1 (dev, schnell, Kontext)",
+        ("FluxTransformer2DModel",),
+        blocks=(joint("transformer_blocks"), joint("single_transformer_blocks")),
+        tail=("norm_out", "proj_out"),
+        widths=(
+            Width("text", "joint_attention_dim", ("text_encoder_2",), label="T5"),
+            Width("pooled", "pooled_projection_dim", ("text_encoder",), label="CLIP"),  # the CLIP text model's pooler output
+        ),
+        packed=2,
+        pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline", "FluxControlNetPipeline"),
+    )
+)
+register(
+    Family(
+        "flux2",
+        "Flux.2",
+        ("Flux2Transformer2DModel",),
+        blocks=(joint("transformer_blocks"), single("single_transformer_blocks")),
+        pipelines=("Flux2Pipeline",),
+    )
+)
+register(
+    Family(
+        "chroma",
+        "Chroma",
+        ("ChromaTransformer2DModel",),
+        blocks=(joint("transformer_blocks"), single("single_transformer_blocks")),
+        pipelines=("ChromaPipeline", "ChromaImg2ImgPipeline"),
+    )
+)
+register(
+    Family(
+        "qwenimage",
+        "Qwen-Image (+Edit, +Layered)",
+        ("QwenImageTransformer2DModel",),
+        blocks=(joint("transformer_blocks"),),
+        pipelines=("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageLayeredPipeline"),
+    )
+)
+register(
+    Family(
+        "hidream",
+        "HiDream-I1/E1",
+        ("HiDreamImageTransformer2DModel",),
+        blocks=(joint("double_stream_blocks", ("image", "text")), single("single_stream_blocks")),
+        prompt="encoder_hidden_states_t5",
+        pipelines=("HiDreamImagePipeline",),
+    )
+)
+register(
+    Family(
+        "sana",
+        "Sana (+Sprint)",
+        ("SanaTransformer2DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("SanaPipeline", "SanaSprintPipeline", "SanaPAGPipeline"),
+    )
+)
+register(
+    Family(
+        "pixart",
+        "PixArt-α/Σ",
+        ("PixArtTransformer2DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
+    )
+)
+register(
+    Family(
+        "lumina2",
+        "Lumina-Image 2.0",
+        ("Lumina2Transformer2DModel",),
+        blocks=(single("layers"),),
+        pipelines=("Lumina2Pipeline",),
+    )
+)
+register(
+    Family(
+        "cogview4",
+        "CogView4",
+        ("CogView4Transformer2DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")),),
+        pipelines=("CogView4Pipeline", "CogView4ControlPipeline"),
+    )
+)
+register(
+    Family(
+        "auraflow",
+        "AuraFlow",
+        ("AuraFlowTransformer2DModel",),
+        blocks=(joint("joint_transformer_blocks"), single("single_transformer_blocks")),
+        pipelines=("AuraFlowPipeline",),
+    )
+)
+register(
+    Family(
+        "zimage",
+        "Z-Image",
+        ("ZImageTransformer2DModel",),
+        blocks=(single("layers", "x"),),
+        latent="x",
+        prompt="cap_feats",
+        pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline"),
+    )
+)
+
+# --- Video transformers --------------------------------------------------------------------------------------
+
+register(
+    Family(
+        "wan",
+        "Wan 2.1/2.2 (T2V, I2V; both experts of 2.2)",
+        ("WanTransformer3DModel",),
+        blocks=(single("blocks"),),
+        pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"),
+    )
+)
+register(
+    Family(
+        "wan-vace",
+        "Wan VACE",
+        ("WanVACETransformer3DModel",),
+        blocks=(single("blocks"),),  # the control branch (vace_blocks) runs on every step; its hints split the chain
+        pipelines=("WanVACEPipeline",),
+    )
+)
+register(
+    Family(
+        "skyreels-v2",
+        "SkyReels-V2",
+        ("SkyReelsV2Transformer3DModel",),
+        blocks=(single("blocks"),),
+        pipelines=("SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline"),
+    )
+)
+register(
+    Family(
+        "kandinsky5",
+        "Kandinsky 5",
+        ("Kandinsky5Transformer3DModel",),
+        blocks=(single("visual_transformer_blocks", "visual_embed"),),  # the text blocks run on every step
+        pipelines=("Kandinsky5T2VPipeline", "Kandinsky5T2IPipeline"),
+    )
+)
+register(
+    Family(
+        "hunyuanvideo",
+        "HunyuanVideo",
+        ("HunyuanVideoTransformer3DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")), joint("single_transformer_blocks", ("image", "text"))),
+        pipelines=("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
+    )
+)
+register(
+    Family(
+        "hunyuanvideo15",
+        "HunyuanVideo 1.5",
+        ("HunyuanVideo15Transformer3DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")),),
+        pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
+    )
+)
+register(
+    Family(
+        "ltx",
+        "LTX-Video",
+        ("LTXVideoTransformer3DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
+    )
+)
+register(
+    Family(
+        "ltx2",
+        "LTX-2 (video and audio)",
+        ("LTX2VideoTransformer3DModel",),
+        blocks=(Blocks("transformer_blocks", {"image": "hidden_states", "audio": "audio_hidden_states"}, ("image", "audio")),),
+        pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline"),
+    )
+)
+register(
+    Family(
+        "cogvideox",
+        "CogVideoX",
+        ("CogVideoXTransformer3DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")),),
+        pipelines=("CogVideoXPipeline", "CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline"),
+    )
+)
+register(
+    Family(
+        "mochi",
+        "Mochi",
+        ("MochiTransformer3DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")),),
+        keep_last=1,  # its last block drops the text stream (context_pre_only): it must run
+        pipelines=("MochiPipeline",),
+    )
+)
+register(
+    Family(
+        "cosmos",
+        "Cosmos (Predict)",
+        ("CosmosTransformer3DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline", "Cosmos2TextToImagePipeline"),
+    )
+)
