@@ -25,6 +25,7 @@ __all__ = [
     "flops",
     "latents",
     "t5_tokenizer",
+    "tiny_cogvideox_pipeline",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
     "tiny_sd15_pipeline",
@@ -35,6 +36,7 @@ __all__ = [
     "tiny_t5_encoder",
     "tiny_text_encoder",
     "tiny_vae",
+    "tiny_wan22_pipeline",
 ]
 
 TEXT_DIM = 32
@@ -339,12 +341,99 @@ def tiny_flux_pipeline(seed: int = 0, layers: int = 2, single_layers: int = 4) -
     return pipe
 
 
+def _tiny_wan_transformer(layers: int, heads: int, head_dim: int) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=2 * TEXT_DIM,
+        freq_dim=256,
+        ffn_dim=2 * heads * head_dim,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+
+
+@_own_rng
+def tiny_wan22_pipeline(seed: int = 0, boundary_ratio: float | None = 0.5, layers: int = 3, heads: int = 2, head_dim: int = 12) -> Any:
+    """A Wan 2.2 WanPipeline: a T5 encoder (64 wide), a Wan VAE (8× space, 4× time) and two WanTransformer3DModel
+    experts of ``layers`` blocks (``transformer`` for the high-noise steps, ``transformer_2`` below ``boundary_ratio``)
+    on one UniPC flow scheduler. ``boundary_ratio=None``: Wan 2.1's single expert."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    pipe = WanPipeline(
+        tokenizer=t5_tokenizer(),
+        text_encoder=tiny_t5_encoder(seed=seed + 2),
+        vae=vae.eval(),
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+        transformer=_tiny_wan_transformer(layers, heads, head_dim),
+        transformer_2=_tiny_wan_transformer(layers, heads, head_dim) if boundary_ratio is not None else None,
+        boundary_ratio=boundary_ratio,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@_own_rng
+def tiny_cogvideox_pipeline(seed: int = 0, layers: int = 2) -> Any:
+    """A CogVideoXPipeline: a T5 encoder (64 wide), a CogVideoX VAE (8× space, 4× time) and a
+    CogVideoXTransformer3DModel taking 16 text tokens; at 32×64 px and 8 frames its latents are 16 tokens too."""
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+
+    torch.manual_seed(seed)
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=4,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=2,
+        text_embed_dim=2 * TEXT_DIM,
+        num_layers=layers,
+        sample_width=8,
+        sample_height=4,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=16,
+    ).eval()
+    blocks = ("CogVideoXDownBlock3D",) * 4
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=blocks,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+    ).eval()
+    pipe = CogVideoXPipeline(
+        tokenizer=t5_tokenizer(),
+        text_encoder=tiny_t5_encoder(seed=seed + 2),
+        vae=vae,
+        transformer=transformer,
+        scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def latents(pipe: Any, prompt: str = "a cat", *, steps: int = 10, size: tuple[int, int] = (64, 64), seed: int = 0, **kwargs: Any) -> Any:
-    """Run a pipeline to its final latents (no VAE decode) with a seeded CPU generator.
+    """Run a pipeline to its final latents (no VAE decode) with a seeded CPU generator (a video pipeline's
+    ``frames``; pass ``num_frames=`` for it).
 
     >>> out = latents(tiny_sd15_pipeline(), steps=4, size=(64, 64))  # doctest: +SKIP
     """
-    return pipe(
+    out = pipe(
         prompt,
         num_inference_steps=steps,
         height=size[0],
@@ -352,7 +441,8 @@ def latents(pipe: Any, prompt: str = "a cat", *, steps: int = 10, size: tuple[in
         output_type="latent",
         generator=torch.Generator().manual_seed(seed),
         **kwargs,
-    ).images
+    )
+    return out.frames if hasattr(out, "frames") else out.images
 
 
 def _cpu_flash_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:

@@ -1,0 +1,187 @@
+"""One conformance suite, run over every family's tiny builder (torchfix.testing.FAMILIES): the same guarantees
+for SD1.5 and Wan, Flux.2 and LTX-2. Adding a family = one registry entry + one builder; these tests then hold it
+to everything below."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import torchfix
+from torchfix import families
+
+pytest.importorskip("diffusers")
+
+from torchfix.testing.families import FAMILIES, Tiny, denoise, output_of
+
+NAMES = sorted(FAMILIES)
+CFG = torchfix.DeepCacheConfig(interval=3, num_steps=8)
+
+
+def flat(outputs: list) -> list[torch.Tensor]:
+    return [torch.cat([t.flatten() for t in x]) if isinstance(x, list) else x.flatten() for x in outputs]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def worst(got: list, ref: list) -> float:
+    return max(rel(a, b) for a, b in zip(flat(got), flat(ref)))
+
+
+def same(got: list, ref: list) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(flat(got), flat(ref)))
+
+
+@pytest.fixture(params=NAMES)
+def tiny(request) -> Tiny:
+    return FAMILIES[request.param]
+
+
+@pytest.fixture
+def model(tiny):
+    m = tiny.build()
+    yield m
+    torchfix.deepcache.remove(m)
+
+
+def forwards(model: torch.nn.Module) -> list[str]:
+    """Modules whose forward is an instance attribute, or that carry a diffusers hook registry."""
+    return [name for name, m in model.named_modules() if "forward" in vars(m) or "_diffusers_hook" in vars(m)]
+
+
+def test_every_family_in_the_registry_has_a_builder():
+    built = {t.family for t in FAMILIES.values()}
+    assert set(families.names(builtin=True)) <= built, f"families without a tiny builder: {set(families.names(builtin=True)) - built}"
+    for tiny in FAMILIES.values():
+        assert families.find(tiny.build()) is families.get(tiny.family)
+
+
+def test_interval_1_is_bit_identical_and_remove_restores_every_attribute(tiny, model):
+    before = forwards(model)
+    ref = denoise(model, tiny)[0]
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=1))
+    assert same(denoise(model, tiny)[0], ref)
+    assert torchfix.deepcache.stats(model)["cached_steps"] == 0
+    torchfix.deepcache.apply(model, CFG)
+    cached = denoise(model, tiny)[0]
+    s = torchfix.deepcache.stats(model)
+    assert (s["family"], s["full_steps"], s["cached_steps"]) == (tiny.family, 3, 5)
+    torchfix.deepcache.remove(model)
+    assert forwards(model) == before
+    assert same(denoise(model, tiny)[0], ref)
+    assert all(torch.isfinite(x).all() for x in flat(cached))
+
+
+def test_refreshing_when_the_features_move_reads_each_familys_stream(tiny, model):
+    """The threshold modes probe what enters the cached blocks (a UNet: its input): features that always move run
+    every step in full, bit-identical; features that never move are cached up to the cap."""
+    ref = denoise(model, tiny)[0]
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=4, threshold=1e-9, num_steps=8, stop=1.0))
+    assert same(denoise(model, tiny)[0], ref)
+    assert torchfix.deepcache.stats(model)["cached_steps"] == 0
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=4, threshold=1e9, num_steps=8, stop=1.0))
+    denoise(model, tiny)
+    s = torchfix.deepcache.stats(model)
+    assert (s["full_steps"], s["cached_steps"]) == (2, 6)  # 0 full, 3 cached (the cap), 4 full, 3 cached
+
+
+def test_a_cached_step_fed_a_full_steps_input_returns_its_output(tiny, model):
+    """The same arguments twice: the second call is cached (interval 2, no warm-up, no forecast), and must return
+    what the full step computed, up to rounding. A cache that mixes up its streams fails this by O(1)."""
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=2, warm_up=False, forecast=0, stop=1.0))
+    arguments = tiny.arguments()
+    args = {**arguments, tiny.timestep: torch.full((1,), 0.7 * tiny.scale)}
+    with torch.no_grad():
+        full = flat([output_of(model(**args))])
+        cached = flat([output_of(model(**args))])
+    assert torchfix.deepcache.stats(model)["cached_steps"] == 1
+    assert rel(cached[0], full[0]) < 1e-5
+
+
+def test_a_batch_of_two_is_cached_as_two_batches_of_one(tiny, model):
+    arguments = tiny.arguments(batch=2, seed=3)
+    plain = denoise(model, tiny, arguments=[arguments])[0]
+    singles_plain = [denoise(model, tiny, arguments=[tiny.sample(arguments, i)])[0] for i in range(2)]
+    torchfix.deepcache.apply(model, CFG)
+    batch = denoise(model, tiny, arguments=[arguments])[0]
+    singles = []
+    for i in range(2):
+        torchfix.deepcache.apply(model, CFG)  # a fresh cache
+        singles.append(denoise(model, tiny, arguments=[tiny.sample(arguments, i)])[0])
+    for i in range(2):
+        floor = worst([tiny_sample(tiny, x, i) for x in plain], singles_plain[i])  # batching's own rounding
+        assert worst([tiny_sample(tiny, x, i) for x in batch], singles[i]) <= max(10 * floor, 1e-5), i
+
+
+def tiny_sample(tiny: Tiny, output, i: int):
+    return [output[i]] if isinstance(output, list) else output[i : i + 1]
+
+
+def test_a_new_size_or_frame_count_is_a_fresh_cache(tiny, model):
+    torchfix.deepcache.apply(model, CFG)
+    denoise(model, tiny)
+    after = denoise(model, tiny, size=tiny.sizes[1], frames=tiny.frames[1], seed=1)[0]
+    torchfix.deepcache.apply(model, CFG)
+    fresh = denoise(model, tiny, size=tiny.sizes[1], frames=tiny.frames[1], seed=1)[0]
+    assert same(after, fresh)
+    assert torchfix.deepcache.stats(model)["generations"] == 1
+
+
+def test_guidance_streams_keep_their_own_cache(tiny, model):
+    torchfix.deepcache.apply(model, CFG)
+    both = denoise(model, tiny, prompts=(0, 1))
+    assert torchfix.deepcache.stats(model)["last_call"]["cached_steps"] == 10  # 5 per stream
+    torchfix.deepcache.apply(model, CFG)
+    alone = denoise(model, tiny, prompts=(0,))[0]
+    assert same(both[0], alone)
+
+
+def test_a_signature_other_than_the_entrys_is_refused_before_anything_is_cached(tiny, model):
+    family = families.get(tiny.family)
+    if family.kind == "unet":
+        pytest.skip("the UNet family has no block signature (its layout is checked at apply)")
+    ref = denoise(model, tiny)[0]
+    first = family.blocks[0]
+    if len(first.returns) > 1:  # the streams in the other order: what CogVideoX's equal token counts hid
+        wrong = dataclasses.replace(first, returns=tuple(reversed(first.returns)))
+    else:  # a text stream the blocks do not return
+        wrong = families.Blocks(first.attr, {**first.inputs, "text": "__no_such_parameter__"}, ("image", "text"))
+    try:
+        families.register(dataclasses.replace(family, blocks=(wrong, *family.blocks[1:])), replace=True)
+        with pytest.raises(torchfix.UnsupportedModelError, match=type(model).__name__):
+            torchfix.deepcache.apply(model, CFG)
+            denoise(model, tiny)
+        stats = torchfix.deepcache.stats(model)
+        assert stats == {"applied": False} or stats["cached_steps"] == 0
+    finally:
+        families.register(family, replace=True)
+        torchfix.deepcache.remove(model)
+    assert same(denoise(model, tiny)[0], ref)
+
+
+@pytest.mark.slow
+def test_compiled_needs_no_recompile_across_steps_or_generations(tiny, model):
+    """Each kind of step compiles once. The first full call of a call path runs eagerly (it verifies the blocks), so
+    the second generation may compile what that first step would have (one graph where its latents' strides differ
+    from the later steps', as HunyuanVideo's do); from then on nothing new."""
+    from torch._dynamo.utils import counters
+
+    torchfix.deepcache.apply(model, CFG)
+    eager = denoise(model, tiny)[0]
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    try:
+        graphs = []
+        outs = []
+        for _ in range(3):
+            counters.clear()
+            outs.append(denoise(compiled, tiny)[0])
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[0] > 0 and graphs[1] <= 2 and graphs[2] == 0, graphs
+        assert same(outs[1], outs[2]) and worst(outs[2], eager) < 1e-5
+        assert torchfix.deepcache.stats(model)["cached_steps"] == 20  # decisions still made per call
+    finally:
+        torch._dynamo.reset()

@@ -1,0 +1,832 @@
+"""A tiny offline denoiser for every model family torchfix knows (:mod:`torchfix.families`), and a loop that
+drives one like a pipeline does: random weights from small configs (the sizes diffusers' own tests use, with at
+least two blocks per list), nothing downloaded.
+
+Each :class:`Tiny` builds its model and the arguments of one denoiser step at a batch size, a latent size (and
+a frame count for video), so one conformance suite can hold every family to the same guarantees
+(tests/deepcache/test_families.py). Adding a family = one registry entry + one entry here.
+
+>>> from torchfix.testing.families import FAMILIES
+>>> FAMILIES["wan"].family
+'wan'
+>>> # model = FAMILIES["wan"].build(); outs = denoise(model, FAMILIES["wan"], steps=8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
+
+Size = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one builder's ``inputs`` receives: the batch, the latent size (and frames), a generator for the
+    latents and one for the prompt (so two prompts differ, and the same prompt is the same tensor values)."""
+
+    batch: int
+    size: Size
+    frames: int
+    latents: torch.Generator
+    prompt: torch.Generator
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def randn(self, *shape: int, prompt: bool = False) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.prompt if prompt else self.latents)
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """A tiny denoiser of one family: how to build it and what one step of it is called with.
+
+    Args:
+        family: the registry entry (:func:`torchfix.families.get`) it belongs to.
+        model: the diffusers class name.
+        config: its constructor's arguments (random weights).
+        inputs: ``(Call) -> arguments`` of one step (the latents, the prompt, everything but the timestep).
+        latent: the argument the loop updates (also the family's ``latent``).
+        timestep: the argument that carries the timestep; ``scale``: 1000 (DDPM-like) or 1 (flow matching).
+        sizes: two latent sizes it runs at (the second odd where the family allows), ``frames``: two frame counts.
+        prompts: the arguments holding the prompt (a guidance stream: a second prompt replaces them).
+        build_with: a function that builds it instead (the UNets come from :mod:`torchfix.testing`).
+    """
+
+    family: str
+    model: str
+    config: dict[str, Any]
+    inputs: Callable[[Call], dict[str, Any]]
+    latent: str = "hidden_states"
+    timestep: str = "timestep"
+    scale: float = 1000.0
+    sizes: tuple[Size, Size] = ((8, 8), (12, 16))
+    frames: tuple[int, int] = (1, 1)
+    prompts: tuple[str, ...] = ("encoder_hidden_states",)
+    build_with: Callable[[], torch.nn.Module] | None = field(default=None, compare=False)
+    name: str | None = None  # where a family has several builders (the UNet: sd15, sdxl)
+    per_sample: tuple[str, ...] = ()  # arguments that are lists with one item per sample (Z-Image's, Qwen's img_shapes)
+    shared: tuple[str, ...] = ()  # tensors with no batch dimension (position ids)
+    batch_dim: tuple[tuple[str, int], ...] = ()  # tensors whose batch dimension is not the first (HiDream's llama states)
+
+    @property
+    def key(self) -> str:
+        return self.name or self.family
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        """The model with random weights (seeded; the caller's RNG is left as it was)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if self.build_with is not None:
+                model = self.build_with()
+            else:
+                model = getattr(importlib.import_module("diffusers"), self.model)(**self.config)
+            return _wake(model).eval()
+
+    def arguments(
+        self, batch: int = 1, size: Size | None = None, frames: int | None = None, seed: int = 0, prompt: int = 0
+    ) -> dict[str, Any]:
+        """The arguments of the first step: latents from ``seed``, prompt tensors from ``prompt``."""
+        call = Call(
+            batch,
+            size or self.sizes[0],
+            frames or self.frames[0],
+            torch.Generator().manual_seed(seed),
+            torch.Generator().manual_seed(10_000 + prompt),
+            self.config,
+        )
+        return self.inputs(call)
+
+    def sample(self, arguments: dict[str, Any], index: int) -> dict[str, Any]:
+        """Sample ``index`` of a batch's arguments, as a batch of one (what two batch-1 calls would pass)."""
+        dims = dict(self.batch_dim)
+        return {
+            k: [v[index]] if k in self.per_sample else v if k in self.shared else _take(v, index, dims.get(k, 0))
+            for k, v in arguments.items()
+        }
+
+
+@torch.no_grad()
+def _wake(model: torch.nn.Module) -> torch.nn.Module:
+    """Give the parameters a family initialises to zero (adaLN-zero gates, zero output projections) small random
+    values: with them at zero a block adds nothing, and a cache that skips it could not be wrong."""
+    for param in model.parameters():
+        if param.numel() and not bool(param.any()):
+            param.normal_(0.0, 0.05)
+    return model
+
+
+def _take(value: Any, index: int, dim: int = 0) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > dim:
+        return value.narrow(dim, index, 1)
+    if isinstance(value, dict):
+        return {k: _take(v, index) for k, v in value.items()}
+    return value
+
+
+def _timestep(tiny: Tiny, t: float, batch: int) -> torch.Tensor:
+    return torch.full((batch,), t * tiny.scale)
+
+
+def output_of(out: Any) -> Any:
+    """The sample a denoiser call returned (a tuple's first item, or ``.sample``)."""
+    sample = out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+    return sample
+
+
+def _update(latents: Any, output: Any, step: float) -> Any:
+    """One Euler step of the loop: ``latents − step·output`` where the output has the latents' shape, else the
+    latents scaled (a model whose output is not the latents' shape still sees them change)."""
+    if isinstance(latents, list):
+        return [_update(x, o, step) for x, o in zip(latents, output if isinstance(output, list) else [None] * len(latents))]
+    if isinstance(output, torch.Tensor) and output.shape == latents.shape:
+        return latents - step * output
+    return latents * (1.0 - step)
+
+
+class Outputs(list):
+    """Per prompt, the outputs of each step; ``latents``: where the loop ended."""
+
+    latents: Any = None
+
+
+@torch.no_grad()
+def denoise(
+    model: torch.nn.Module,
+    tiny: Tiny,
+    *,
+    steps: int = 8,
+    batch: int = 1,
+    size: Size | None = None,
+    frames: int | None = None,
+    seed: int = 0,
+    prompts: tuple[int, ...] = (0,),
+    arguments: list[dict[str, Any]] | None = None,
+    context: bool = False,
+) -> Outputs:
+    """Run ``steps`` denoiser steps like a pipeline: timesteps from 1 to 0, latents moved by each output, the same
+    prompt objects every step. With several ``prompts`` each step calls the model once per prompt (guidance passes
+    run as separate calls, each its own stream) on the same latents. ``context``: each call inside the model's
+    ``cache_context`` (``"cond"``, ``"uncond"``, ...), as diffusers' pipelines do (its own cache hooks need one).
+    Returns the outputs, per prompt, per step, and the final latents (``.latents``).
+
+    >>> # outs = denoise(FAMILIES["flux"].build(), FAMILIES["flux"], steps=8)
+    """
+    calls = arguments or [tiny.arguments(batch, size, frames, seed, p) for p in prompts]
+    latents = calls[0][tiny.latent]
+    outputs = Outputs([] for _ in calls)
+    names = ("cond", "uncond", *(f"pass{k}" for k in range(2, len(calls))))
+    for i in range(steps):
+        t = 1.0 - i / steps
+        first = None
+        for k, call in enumerate(calls):
+            with model.cache_context(names[k]) if context else contextlib.nullcontext():
+                out = output_of(model(**{**call, tiny.latent: latents, tiny.timestep: _timestep(tiny, t, _batch(latents))}))
+            outputs[k].append(out)
+            first = out if first is None else first
+        latents = _update(latents, first, 1.0 / steps)
+    outputs.latents = latents
+    return outputs
+
+
+def _batch(latents: Any) -> int:
+    return len(latents) if isinstance(latents, list) else latents.shape[0]
+
+
+# --- the builders ---------------------------------------------------------------------------------------------
+
+
+def _sd15() -> torch.nn.Module:
+    from . import tiny_sd15_unet
+
+    return tiny_sd15_unet()
+
+
+def _sdxl() -> torch.nn.Module:
+    from . import tiny_sdxl_unet
+
+    return tiny_sdxl_unet()
+
+
+def _ids(h: int, w: int, width: int = 3, frame: bool = False) -> torch.Tensor:
+    """Flux-style position ids of an ``h × w`` token grid: ``[0, row, col]`` (``width`` 4: one more zero)."""
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
+    return torch.cat([ids, torch.zeros(ids.shape[0], width - 3, dtype=ids.dtype)], dim=-1) if width > 3 else ids.float()
+
+
+def _flux_like(c: Call, channels: int = 4, text: int = 32, tokens: int = 12, pooled: int | None = 32) -> dict[str, Any]:
+    h, w = c.size
+    out = {
+        "hidden_states": c.randn(c.batch, h * w, channels),
+        "encoder_hidden_states": c.randn(c.batch, tokens, text, prompt=True),
+        "img_ids": _ids(h, w),
+        "txt_ids": torch.zeros(tokens, 3),
+    }
+    if pooled:
+        out["pooled_projections"] = c.randn(c.batch, pooled, prompt=True)
+    return out
+
+
+def _image(c: Call, channels: int = 4) -> torch.Tensor:
+    return c.randn(c.batch, channels, *c.size)
+
+
+def _video(c: Call, channels: int = 4) -> torch.Tensor:
+    return c.randn(c.batch, channels, c.frames, *c.size)
+
+
+def _text(c: Call, tokens: int, width: int) -> torch.Tensor:
+    return c.randn(c.batch, tokens, width, prompt=True)
+
+
+_WAN = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 16,
+    "freq_dim": 256,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 32,
+}
+
+_TINY = [
+    Tiny(
+        "unet",
+        "UNet2DConditionModel",
+        {},
+        lambda c: {"sample": _image(c), "encoder_hidden_states": _text(c, 8, 32)},
+        latent="sample",
+        sizes=((8, 8), (9, 12)),
+        build_with=_sd15,
+        name="sd15",
+    ),
+    Tiny(
+        "unet",
+        "UNet2DConditionModel",
+        {},
+        lambda c: {
+            "sample": _image(c),
+            "encoder_hidden_states": _text(c, 8, 64),
+            "added_cond_kwargs": {
+                "text_embeds": c.randn(c.batch, 32, prompt=True),
+                "time_ids": torch.tensor([[16.0, 16, 0, 0, 16, 16]] * c.batch),
+            },
+        },
+        latent="sample",
+        sizes=((8, 8), (9, 12)),
+        build_with=_sdxl,
+        name="sdxl",
+    ),
+    Tiny(
+        "sd3",
+        "SD3Transformer2DModel",
+        {
+            "sample_size": 32,
+            "patch_size": 2,
+            "in_channels": 4,
+            "num_layers": 4,
+            "attention_head_dim": 8,
+            "num_attention_heads": 4,
+            "caption_projection_dim": 32,
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 64,
+            "out_channels": 4,
+            "pos_embed_max_size": 96,
+        },
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states": _text(c, 12, 32),
+            "pooled_projections": c.randn(c.batch, 64, prompt=True),
+        },
+    ),
+    Tiny(
+        "flux",
+        "FluxTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 32,
+            "axes_dims_rope": [4, 4, 8],
+        },
+        _flux_like,
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        prompts=("encoder_hidden_states", "pooled_projections"),
+        shared=("img_ids", "txt_ids"),
+    ),
+    Tiny(
+        "flux2",
+        "Flux2Transformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "timestep_guidance_channels": 256,
+            "axes_dims_rope": [4, 4, 4, 4],
+        },
+        lambda c: {
+            "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 4),
+            "encoder_hidden_states": _text(c, 12, 32),
+            "img_ids": _ids(*c.size, width=4).long().unsqueeze(0).expand(c.batch, -1, -1),
+            "txt_ids": torch.zeros(c.batch, 12, 4, dtype=torch.long),
+            "guidance": torch.full((c.batch,), 3.5),
+        },
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+    ),
+    Tiny(
+        "chroma",
+        "ChromaTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "axes_dims_rope": [4, 4, 8],
+            "approximator_num_channels": 8,
+            "approximator_hidden_dim": 16,
+            "approximator_layers": 1,
+        },
+        lambda c: _flux_like(c, pooled=None),
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        shared=("img_ids", "txt_ids"),
+    ),
+    Tiny(
+        "qwenimage",
+        "QwenImageTransformer2DModel",
+        {
+            "patch_size": 2,
+            "in_channels": 16,
+            "out_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 4,
+            "joint_attention_dim": 16,
+            "guidance_embeds": False,
+            "axes_dims_rope": (8, 4, 4),
+        },
+        lambda c: {
+            "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 16),
+            "encoder_hidden_states": _text(c, 8, 16),
+            "encoder_hidden_states_mask": torch.ones(c.batch, 8, dtype=torch.long),
+            "img_shapes": [(1, *c.size)] * c.batch,
+        },
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        per_sample=("img_shapes",),
+    ),
+    Tiny(
+        "hidream",
+        "HiDreamImageTransformer2DModel",
+        {
+            "patch_size": 2,
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 8,
+            "num_attention_heads": 4,
+            "caption_channels": [8, 4],
+            "text_emb_dim": 8,
+            "num_routed_experts": 2,
+            "num_activated_experts": 2,
+            "axes_dims_rope": (4, 2, 2),
+            "max_resolution": (32, 32),
+            "llama_layers": (0, 1, 2, 3),
+            "force_inference_output": True,
+        },
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states_t5": _text(c, 8, 8),
+            "encoder_hidden_states_llama3": c.randn(len(c.config["llama_layers"]), c.batch, 8, 4, prompt=True),
+            "pooled_embeds": c.randn(c.batch, 8, prompt=True),
+        },
+        timestep="timesteps",
+        sizes=((8, 8), (12, 16)),
+        prompts=("encoder_hidden_states_t5", "encoder_hidden_states_llama3", "pooled_embeds"),
+        batch_dim=(("encoder_hidden_states_llama3", 1),),
+    ),
+    Tiny(
+        "sana",
+        "SanaTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 4,
+            "num_attention_heads": 2,
+            "num_cross_attention_heads": 2,
+            "cross_attention_head_dim": 4,
+            "cross_attention_dim": 8,
+            "caption_channels": 8,
+            "sample_size": 32,
+        },
+        lambda c: {"hidden_states": _image(c), "encoder_hidden_states": _text(c, 8, 8)},
+        sizes=((8, 8), (9, 12)),
+    ),
+    Tiny(
+        "pixart",
+        "PixArtTransformer2DModel",
+        {
+            "sample_size": 8,
+            "num_layers": 2,
+            "patch_size": 2,
+            "attention_head_dim": 2,
+            "num_attention_heads": 2,
+            "in_channels": 4,
+            "cross_attention_dim": 8,
+            "out_channels": 8,
+            "attention_bias": True,
+            "activation_fn": "gelu-approximate",
+            "num_embeds_ada_norm": 8,
+            "norm_type": "ada_norm_single",
+            "norm_elementwise_affine": False,
+            "norm_eps": 1e-06,
+            "use_additional_conditions": False,
+            "caption_channels": None,
+        },
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states": _text(c, 8, 8),
+            "added_cond_kwargs": {"aspect_ratio": None, "resolution": None},
+        },
+    ),
+    Tiny(
+        "lumina2",
+        "Lumina2Transformer2DModel",
+        {
+            "sample_size": 16,
+            "patch_size": 2,
+            "in_channels": 4,
+            "hidden_size": 24,
+            "num_layers": 2,
+            "num_refiner_layers": 1,
+            "num_attention_heads": 3,
+            "num_kv_heads": 1,
+            "multiple_of": 2,
+            "ffn_dim_multiplier": None,
+            "norm_eps": 1e-05,
+            "scaling_factor": 1.0,
+            "axes_dim_rope": (4, 2, 2),
+            "axes_lens": (128, 128, 128),
+            "cap_feat_dim": 32,
+        },
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states": _text(c, 16, 32),
+            "encoder_attention_mask": torch.ones(c.batch, 16, dtype=torch.bool),
+        },
+        scale=1.0,
+    ),
+    Tiny(
+        "cogview4",
+        "CogView4Transformer2DModel",
+        {
+            "patch_size": 2,
+            "in_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 4,
+            "num_attention_heads": 4,
+            "out_channels": 4,
+            "text_embed_dim": 8,
+            "time_embed_dim": 8,
+            "condition_dim": 4,
+        },
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states": _text(c, 8, 8),
+            "original_size": torch.tensor([[64, 64]] * c.batch),
+            "target_size": torch.tensor([[64, 64]] * c.batch),
+            "crop_coords": torch.tensor([[0, 0]] * c.batch),
+        },
+    ),
+    Tiny(
+        "auraflow",
+        "AuraFlowTransformer2DModel",
+        {
+            "sample_size": 32,
+            "patch_size": 2,
+            "in_channels": 4,
+            "num_mmdit_layers": 2,
+            "num_single_dit_layers": 2,
+            "attention_head_dim": 8,
+            "num_attention_heads": 4,
+            "caption_projection_dim": 32,
+            "joint_attention_dim": 32,
+            "out_channels": 4,
+            "pos_embed_max_size": 256,
+        },
+        lambda c: {"hidden_states": _image(c), "encoder_hidden_states": _text(c, 12, 32)},
+    ),
+    Tiny(
+        "zimage",
+        "ZImageTransformer2DModel",
+        {
+            "all_patch_size": (2,),
+            "all_f_patch_size": (1,),
+            "in_channels": 16,
+            "dim": 16,
+            "n_layers": 2,
+            "n_refiner_layers": 1,
+            "n_heads": 1,
+            "n_kv_heads": 2,
+            "qk_norm": True,
+            "cap_feat_dim": 16,
+            "rope_theta": 256.0,
+            "t_scale": 1000.0,
+            "axes_dims": [8, 4, 4],
+            "axes_lens": [256, 32, 32],
+        },
+        lambda c: {
+            "x": [c.randn(16, 1, *c.size) for _ in range(c.batch)],
+            "cap_feats": [c.randn(16, 16, prompt=True) for _ in range(c.batch)],
+        },
+        latent="x",
+        timestep="t",
+        scale=1.0,
+        prompts=("cap_feats",),
+        per_sample=("x", "cap_feats"),
+    ),
+    Tiny(
+        "kandinsky5",
+        "Kandinsky5Transformer3DModel",
+        {
+            "in_visual_dim": 16,
+            "in_text_dim": 16,
+            "in_text_dim2": 16,
+            "time_dim": 16,
+            "out_visual_dim": 16,
+            "patch_size": (1, 2, 2),
+            "model_dim": 16,
+            "ff_dim": 32,
+            "num_text_blocks": 1,
+            "num_visual_blocks": 2,
+            "axes_dims": (1, 1, 2),
+            "visual_cond": False,
+            "attention_type": "regular",
+        },
+        lambda c: {
+            "hidden_states": c.randn(c.batch, c.frames, *c.size, 16),
+            "encoder_hidden_states": _text(c, 8, 16),
+            "pooled_projections": c.randn(c.batch, 16, prompt=True),
+            "visual_rope_pos": [torch.arange(c.frames), torch.arange(c.size[0] // 2), torch.arange(c.size[1] // 2)],
+            "text_rope_pos": torch.arange(8),
+        },
+        frames=(1, 2),
+        prompts=("encoder_hidden_states", "pooled_projections"),
+        shared=("text_rope_pos",),
+    ),
+    Tiny(
+        "wan",
+        "WanTransformer3DModel",
+        _WAN,
+        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "wan-vace",
+        "WanVACETransformer3DModel",
+        {**_WAN, "in_channels": 16, "out_channels": 16, "text_dim": 32, "num_layers": 4, "vace_layers": [0, 2], "vace_in_channels": 48},
+        lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 32), "control_hidden_states": _video(c, 48)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "skyreels-v2",
+        "SkyReelsV2Transformer3DModel",
+        _WAN,
+        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "hunyuanvideo",
+        "HunyuanVideoTransformer3DModel",
+        {
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_attention_heads": 2,
+            "attention_head_dim": 10,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "num_refiner_layers": 1,
+            "patch_size": 1,
+            "patch_size_t": 1,
+            "guidance_embeds": True,
+            "text_embed_dim": 16,
+            "pooled_projection_dim": 8,
+            "rope_axes_dim": (2, 4, 4),
+            "image_condition_type": None,
+        },
+        lambda c: {
+            "hidden_states": _video(c),
+            "encoder_hidden_states": _text(c, 12, 16),
+            "pooled_projections": c.randn(c.batch, 8, prompt=True),
+            "encoder_attention_mask": torch.ones(c.batch, 12),
+            "guidance": torch.full((c.batch,), 6000.0),
+        },
+        sizes=((4, 4), (5, 6)),
+        frames=(1, 2),
+        prompts=("encoder_hidden_states", "pooled_projections"),
+    ),
+    Tiny(
+        "hunyuanvideo15",
+        "HunyuanVideo15Transformer3DModel",
+        {
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "num_layers": 2,
+            "num_refiner_layers": 1,
+            "mlp_ratio": 2.0,
+            "patch_size": 1,
+            "patch_size_t": 1,
+            "text_embed_dim": 16,
+            "text_embed_2_dim": 8,
+            "image_embed_dim": 12,
+            "rope_axes_dim": (2, 2, 4),
+            "target_size": 16,
+            "task_type": "t2v",
+        },
+        lambda c: {
+            "hidden_states": _video(c),
+            "encoder_hidden_states": _text(c, 6, 16),
+            "encoder_hidden_states_2": _text(c, 4, 8),
+            "encoder_attention_mask": torch.ones(c.batch, 6),
+            "encoder_attention_mask_2": torch.ones(c.batch, 4),
+            "image_embeds": torch.zeros(c.batch, 3, 12),
+        },
+        sizes=((4, 4), (5, 6)),
+        frames=(1, 2),
+        prompts=("encoder_hidden_states", "encoder_hidden_states_2"),
+    ),
+    Tiny(
+        "ltx",
+        "LTXVideoTransformer3DModel",
+        {
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "cross_attention_dim": 16,
+            "num_layers": 2,
+            "qk_norm": "rms_norm_across_heads",
+            "caption_channels": 16,
+        },
+        lambda c: {
+            "hidden_states": c.randn(c.batch, c.frames * c.size[0] * c.size[1], 4),
+            "encoder_hidden_states": _text(c, 16, 16),
+            "encoder_attention_mask": torch.ones(c.batch, 16, dtype=torch.bool),
+            "num_frames": c.frames,
+            "height": c.size[0],
+            "width": c.size[1],
+        },
+        sizes=((4, 4), (5, 6)),
+        frames=(2, 3),
+    ),
+    Tiny(
+        "ltx2",
+        "LTX2VideoTransformer3DModel",
+        {
+            "in_channels": 4,
+            "out_channels": 4,
+            "patch_size": 1,
+            "patch_size_t": 1,
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "cross_attention_dim": 16,
+            "audio_in_channels": 4,
+            "audio_out_channels": 4,
+            "audio_num_attention_heads": 2,
+            "audio_attention_head_dim": 4,
+            "audio_cross_attention_dim": 8,
+            "num_layers": 2,
+            "qk_norm": "rms_norm_across_heads",
+            "caption_channels": 16,
+            "rope_double_precision": False,
+        },
+        lambda c: {
+            "hidden_states": c.randn(c.batch, c.frames * c.size[0] * c.size[1], 4),
+            "audio_hidden_states": c.randn(c.batch, 9, 4),
+            "encoder_hidden_states": _text(c, 16, 16),
+            "audio_encoder_hidden_states": _text(c, 16, 16),
+            "encoder_attention_mask": torch.ones(c.batch, 16, dtype=torch.bool),
+            "num_frames": c.frames,
+            "height": c.size[0],
+            "width": c.size[1],
+            "audio_num_frames": 9,
+            "fps": 25.0,
+        },
+        sizes=((4, 4), (5, 6)),
+        frames=(2, 3),
+        prompts=("encoder_hidden_states", "audio_encoder_hidden_states"),
+    ),
+    Tiny(
+        "cogvideox",
+        "CogVideoXTransformer3DModel",
+        {
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "in_channels": 4,
+            "out_channels": 4,
+            "time_embed_dim": 2,
+            "text_embed_dim": 8,
+            "num_layers": 2,
+            "sample_width": 8,
+            "sample_height": 8,
+            "sample_frames": 8,
+            "patch_size": 2,
+            "patch_size_t": None,
+            "temporal_compression_ratio": 4,
+            "max_text_seq_length": 16,
+        },
+        # as many text tokens as image tokens at the first size (16 and 16): where the streams' order matters most
+        lambda c: {"hidden_states": c.randn(c.batch, c.frames, 4, *c.size), "encoder_hidden_states": _text(c, 16, 8)},
+        sizes=((8, 8), (8, 12)),
+        frames=(1, 2),
+    ),
+    Tiny(
+        "mochi",
+        "MochiTransformer3DModel",
+        {
+            "patch_size": 2,
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "num_layers": 3,
+            "pooled_projection_dim": 16,
+            "in_channels": 4,
+            "out_channels": None,
+            "qk_norm": "rms_norm",
+            "text_embed_dim": 16,
+            "time_embed_dim": 4,
+            "activation_fn": "swiglu",
+            "max_sequence_length": 16,
+        },
+        lambda c: {
+            "hidden_states": _video(c),
+            "encoder_hidden_states": _text(c, 16, 16),
+            "encoder_attention_mask": torch.ones(c.batch, 16, dtype=torch.bool),
+        },
+        frames=(2, 3),
+    ),
+    Tiny(
+        "cosmos",
+        "CosmosTransformer3DModel",
+        {
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "num_layers": 2,
+            "mlp_ratio": 2,
+            "text_embed_dim": 16,
+            "adaln_lora_dim": 4,
+            "max_size": (4, 32, 32),
+            "patch_size": (1, 2, 2),
+            "rope_scale": (2.0, 1.0, 1.0),
+            "concat_padding_mask": False,
+            "extra_pos_embed_type": "learnable",
+        },
+        lambda c: {
+            "hidden_states": _video(c),
+            "encoder_hidden_states": _text(c, 12, 16),
+            "attention_mask": torch.ones(c.batch, 12),
+            "fps": 30,
+        },
+        frames=(1, 2),
+    ),
+]
+
+
+FAMILIES: dict[str, Tiny] = {tiny.key: tiny for tiny in _TINY}
+
+
+def replace(tiny: Tiny, **changes: Any) -> Tiny:
+    """A copy of ``tiny`` with ``changes``."""
+    return dataclasses.replace(tiny, **changes)
