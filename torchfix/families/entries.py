@@ -323,3 +323,125 @@ register(
         pipelines=("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline", "Cosmos2TextToImagePipeline"),
     )
 )
+
+# --- More denoisers of diffusers 0.42.1's pipelines ---------------------------------------------------------
+
+register(
+    Family(
+        "bria",
+        "Bria 3.x",
+        ("BriaTransformer2DModel",),
+        blocks=(joint("transformer_blocks"), joint("single_transformer_blocks")),
+        pipelines=("BriaPipeline",),
+    )
+)
+register(
+    Family(
+        "longcat-image",
+        "LongCat-Image (+Edit)",
+        ("LongCatImageTransformer2DModel",),
+        blocks=(joint("transformer_blocks"), joint("single_transformer_blocks")),
+        pipelines=("LongCatImagePipeline", "LongCatImageEditPipeline"),
+    )
+)
+register(
+    Family(
+        "ovis-image",
+        "Ovis-Image",
+        ("OvisImageTransformer2DModel",),
+        blocks=(joint("transformer_blocks"), joint("single_transformer_blocks")),
+        pipelines=("OvisImagePipeline",),
+    )
+)
+register(
+    Family(
+        "cogview3plus",
+        "CogView3-Plus",
+        ("CogView3PlusTransformer2DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")),),
+        pipelines=("CogView3PlusPipeline",),
+    )
+)
+register(
+    Family(
+        "nucleus-moe",
+        "Nucleus-MoE-Image",
+        ("NucleusMoEImageTransformer2DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("NucleusMoEImagePipeline",),
+    )
+)
+register(
+    Family(
+        "joyimage",
+        "JoyImage-Edit",
+        ("JoyImageEditTransformer3DModel",),
+        blocks=(joint("double_blocks", ("image", "text")),),
+        pipelines=("JoyImageEditPipeline",),
+    )
+)
+register(
+    Family(
+        "dit",
+        "DiT (class-conditional)",
+        ("DiTTransformer2DModel",),
+        blocks=(single("transformer_blocks"),),
+        prompt="class_labels",
+        pipelines=("DiTPipeline",),
+    )
+)
+register(
+    Family(
+        "chronoedit",
+        "ChronoEdit",
+        ("ChronoEditTransformer3DModel",),
+        blocks=(single("blocks"),),
+        pipelines=("ChronoEditPipeline",),
+    )
+)
+register(
+    Family(
+        "sana-video",
+        "Sana-Video",
+        ("SanaVideoTransformer3DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("SanaVideoPipeline",),
+    )
+)
+register(
+    Family(
+        "allegro",
+        "Allegro",
+        ("AllegroTransformer3DModel",),
+        blocks=(single("transformer_blocks"),),
+        pipelines=("AllegroPipeline",),
+    )
+)
+register(
+    Family(
+        "easyanimate",
+        "EasyAnimate",
+        ("EasyAnimateTransformer3DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")),),
+        pipelines=("EasyAnimatePipeline", "EasyAnimateControlPipeline", "EasyAnimateInpaintPipeline"),
+    )
+)
+register(
+    Family(
+        "motif-video",
+        "Motif-Video",
+        ("MotifVideoTransformer3DModel",),
+        blocks=(joint("transformer_blocks", ("image", "text")), joint("single_transformer_blocks", ("image", "text"))),
+        pipelines=("MotifVideoPipeline", "MotifVideoImage2VideoPipeline"),
+    )
+)
+register(
+    Family(
+        "latte",
+        "Latte",
+        ("LatteTransformer3DModel",),
+        # spatial and temporal blocks alternate, the tokens regrouped between them: each block is its own run
+        blocks=(single("transformer_blocks"), single("temporal_transformer_blocks")),
+        pipelines=("LattePipeline",),
+    )
+)

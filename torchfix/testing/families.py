@@ -142,12 +142,22 @@ def output_of(out: Any) -> Any:
 
 
 def _update(latents: Any, output: Any, step: float) -> Any:
-    """One Euler step of the loop: ``latents − step·output`` where the output has the latents' shape, else the
-    latents scaled (a model whose output is not the latents' shape still sees them change)."""
+    """One Euler step of the loop: ``latents − step·output``, as pipelines read the output: where it has twice the
+    latents' channels (a learned variance: PixArt, DiT, Latte), its first half; where it has fewer (the latents carry
+    conditioning channels: Motif-Video), the channels it predicts. Anything else: the latents scaled."""
     if isinstance(latents, list):
         return [_update(x, o, step) for x, o in zip(latents, output if isinstance(output, list) else [None] * len(latents))]
-    if isinstance(output, torch.Tensor) and output.shape == latents.shape:
+    if not isinstance(output, torch.Tensor) or output.dim() != latents.dim() or output.shape[2:] != latents.shape[2:]:
+        return latents * (1.0 - step)
+    channels = latents.shape[1]
+    if output.shape == latents.shape:
         return latents - step * output
+    if output.shape[1] == 2 * channels:
+        return latents - step * output[:, :channels]
+    if output.shape[1] < channels and output.shape[0] == latents.shape[0]:
+        moved = latents.clone()
+        moved[:, : output.shape[1]] -= step * output
+        return moved
     return latents * (1.0 - step)
 
 
@@ -174,7 +184,8 @@ def denoise(
     """Run ``steps`` denoiser steps like a pipeline: timesteps from 1 to 0, latents moved by each output, the same
     prompt objects every step. With several ``prompts`` each step calls the model once per prompt (guidance passes
     run as separate calls, each its own stream) on the same latents. ``context``: each call inside the model's
-    ``cache_context`` (``"cond"``, ``"uncond"``, ...), as diffusers' pipelines do (its own cache hooks need one).
+    ``cache_context`` (``"cond"``, ``"uncond"``, ...) where it has one, as diffusers' pipelines do (its own cache
+    hooks need one).
     Returns the outputs, per prompt, per step, and the final latents (``.latents``).
 
     >>> # outs = denoise(FAMILIES["flux"].build(), FAMILIES["flux"], steps=8)
@@ -187,7 +198,8 @@ def denoise(
         t = 1.0 - i / steps
         first = None
         for k, call in enumerate(calls):
-            with model.cache_context(names[k]) if context else contextlib.nullcontext():
+            named = getattr(model, "cache_context", None) if context else None  # SD3's transformer has none
+            with named(names[k]) if named is not None else contextlib.nullcontext():
                 out = output_of(model(**{**call, tiny.latent: latents, tiny.timestep: _timestep(tiny, t, _batch(latents))}))
             outputs[k].append(out)
             first = out if first is None else first
@@ -261,6 +273,12 @@ _WAN = {
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 32,
 }
+
+
+def _wan_like(family: str, model: str) -> Tiny:
+    """A Wan-layout video transformer (Wan, SkyReels-V2): one list of blocks, the text attended to."""
+    return Tiny(family, model, _WAN, lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)}, frames=(2, 3))
+
 
 _TINY = [
     Tiny(
@@ -603,13 +621,7 @@ _TINY = [
         prompts=("encoder_hidden_states", "pooled_projections"),
         shared=("text_rope_pos",),
     ),
-    Tiny(
-        "wan",
-        "WanTransformer3DModel",
-        _WAN,
-        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)},
-        frames=(2, 3),
-    ),
+    _wan_like("wan", "WanTransformer3DModel"),
     Tiny(
         "wan-vace",
         "WanVACETransformer3DModel",
@@ -617,13 +629,7 @@ _TINY = [
         lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 32), "control_hidden_states": _video(c, 48)},
         frames=(2, 3),
     ),
-    Tiny(
-        "skyreels-v2",
-        "SkyReelsV2Transformer3DModel",
-        _WAN,
-        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)},
-        frames=(2, 3),
-    ),
+    _wan_like("skyreels-v2", "SkyReelsV2Transformer3DModel"),
     Tiny(
         "hunyuanvideo",
         "HunyuanVideoTransformer3DModel",
@@ -820,6 +826,292 @@ _TINY = [
             "fps": 30,
         },
         frames=(1, 2),
+    ),
+    # --- more denoisers of diffusers 0.42.1's pipelines ---
+    Tiny(
+        "bria",
+        "BriaTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 8,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": None,
+            "axes_dims_rope": [0, 4, 4],
+        },
+        lambda c: _flux_like(c, pooled=None),
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        shared=("img_ids", "txt_ids"),
+    ),
+    Tiny(
+        "longcat-image",
+        "LongCatImageTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 32,
+            "axes_dims_rope": [4, 4, 8],
+        },
+        lambda c: {**_flux_like(c, pooled=None), "guidance": torch.full((c.batch,), 3.5)},
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        shared=("img_ids", "txt_ids"),
+    ),
+    Tiny(
+        "ovis-image",
+        "OvisImageTransformer2DModel",
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "axes_dims_rope": (4, 4, 8),
+        },
+        lambda c: _flux_like(c, pooled=None),
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        shared=("img_ids", "txt_ids"),
+    ),
+    Tiny(
+        "cogview3plus",
+        "CogView3PlusTransformer2DModel",
+        {
+            "patch_size": 2,
+            "in_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 4,
+            "num_attention_heads": 2,
+            "out_channels": 4,
+            "text_embed_dim": 8,
+            "time_embed_dim": 8,
+            "condition_dim": 2,
+            "pos_embed_max_size": 8,
+            "sample_size": 8,
+        },
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states": _text(c, 8, 8),
+            "original_size": torch.tensor([[64, 64]] * c.batch),
+            "target_size": torch.tensor([[64, 64]] * c.batch),
+            "crop_coords": torch.tensor([[0, 0]] * c.batch),
+        },
+    ),
+    Tiny(
+        "nucleus-moe",
+        "NucleusMoEImageTransformer2DModel",
+        {
+            "patch_size": 2,
+            "in_channels": 16,
+            "out_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 4,
+            "joint_attention_dim": 16,
+            "axes_dims_rope": (8, 4, 4),
+            "moe_enabled": False,
+            "capacity_factors": [8.0, 8.0],
+        },
+        lambda c: {
+            "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 16),
+            "encoder_hidden_states": _text(c, 8, 16),
+            "encoder_hidden_states_mask": torch.ones(c.batch, 8, dtype=torch.long),
+            "img_shapes": [(1, *c.size)] * c.batch,
+        },
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        per_sample=("img_shapes",),
+    ),
+    Tiny(
+        "joyimage",
+        "JoyImageEditTransformer3DModel",
+        {
+            "patch_size": [1, 2, 2],
+            "in_channels": 16,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "text_dim": 16,
+            "num_layers": 2,
+            "rope_dim_list": [4, 6, 6],
+            "theta": 256,
+        },
+        lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 16)},
+        scale=1.0,
+        sizes=((4, 4), (6, 8)),
+        frames=(1, 2),
+    ),
+    Tiny(
+        "dit",
+        "DiTTransformer2DModel",
+        {
+            "in_channels": 4,
+            "out_channels": 8,
+            "activation_fn": "gelu-approximate",
+            "num_attention_heads": 2,
+            "attention_head_dim": 4,
+            "attention_bias": True,
+            "num_layers": 2,
+            "norm_type": "ada_norm_zero",
+            "num_embeds_ada_norm": 8,
+            "patch_size": 2,
+            "sample_size": 8,
+        },
+        lambda c: {"hidden_states": _image(c), "class_labels": torch.randint(0, 8, (c.batch,), generator=c.prompt)},
+        sizes=((8, 8), (12, 12)),  # square only: its output is unpatchified as a square
+        prompts=("class_labels",),
+    ),
+    Tiny(
+        "chronoedit",
+        "ChronoEditTransformer3DModel",
+        {
+            "patch_size": (1, 2, 2),
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "in_channels": 16,
+            "out_channels": 16,
+            "text_dim": 32,
+            "freq_dim": 16,
+            "ffn_dim": 32,
+            "num_layers": 2,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            "eps": 1e-06,
+            "image_dim": None,
+            "added_kv_proj_dim": None,
+            "rope_max_seq_len": 64,
+            "pos_embed_seq_len": None,
+            "rope_temporal_skip_len": 8,
+        },
+        lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 32)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "sana-video",
+        "SanaVideoTransformer3DModel",
+        {
+            "in_channels": 16,
+            "out_channels": 16,
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "num_layers": 2,
+            "num_cross_attention_heads": 2,
+            "cross_attention_head_dim": 12,
+            "cross_attention_dim": 24,
+            "caption_channels": 16,
+            "mlp_ratio": 2.5,
+            "dropout": 0.0,
+            "attention_bias": False,
+            "sample_size": 8,
+            "patch_size": (1, 2, 2),
+            "norm_elementwise_affine": False,
+            "norm_eps": 1e-06,
+            "qk_norm": "rms_norm_across_heads",
+            "rope_max_seq_len": 32,
+        },
+        lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 16)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "allegro",
+        "AllegroTransformer3DModel",
+        {
+            "num_attention_heads": 2,
+            "attention_head_dim": 8,
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_layers": 2,
+            "cross_attention_dim": 16,
+            "sample_width": 8,
+            "sample_height": 8,
+            "sample_frames": 8,
+            "caption_channels": 8,
+        },
+        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 16, 8)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "easyanimate",
+        "EasyAnimateTransformer3DModel",
+        {
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "in_channels": 4,
+            "mmdit_layers": 2,
+            "num_layers": 2,
+            "out_channels": 4,
+            "patch_size": 2,
+            "sample_height": 60,
+            "sample_width": 90,
+            "text_embed_dim": 16,
+            "time_embed_dim": 8,
+            "time_position_encoding_type": "3d_rope",
+            "timestep_activation_fn": "silu",
+        },
+        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 16, 16)},
+        frames=(2, 3),
+    ),
+    Tiny(
+        "motif-video",
+        "MotifVideoTransformer3DModel",
+        {
+            "in_channels": 33,
+            "out_channels": 16,
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "num_layers": 2,
+            "num_single_layers": 2,
+            "num_decoder_layers": 0,
+            "mlp_ratio": 4.0,
+            "patch_size": 1,
+            "patch_size_t": 1,
+            "qk_norm": "rms_norm",
+            "norm_type": "layer_norm",
+            "text_embed_dim": 32,
+            "image_embed_dim": 4,
+            "rope_theta": 256.0,
+            "rope_axes_dim": (4, 4, 4),
+            "enable_text_cross_attention_dual": False,
+            "enable_text_cross_attention_single": False,
+        },
+        lambda c: {"hidden_states": _video(c, 33), "encoder_hidden_states": _text(c, 12, 32)},
+        sizes=((4, 4), (5, 6)),
+        frames=(2, 3),
+    ),
+    Tiny(
+        "latte",
+        "LatteTransformer3DModel",
+        {
+            "sample_size": 8,
+            "num_layers": 2,
+            "patch_size": 2,
+            "attention_head_dim": 4,
+            "num_attention_heads": 2,
+            "caption_channels": 8,
+            "in_channels": 4,
+            "cross_attention_dim": 8,
+            "out_channels": 8,
+            "attention_bias": True,
+            "activation_fn": "gelu-approximate",
+            "num_embeds_ada_norm": 1000,
+            "norm_type": "ada_norm_single",
+            "norm_elementwise_affine": False,
+            "norm_eps": 1e-06,
+            "video_length": 2,
+        },
+        lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 8, 8), "enable_temporal_attentions": True},
+        frames=(2, 2),  # its temporal position embedding is for video_length frames
     ),
 ]
 
