@@ -28,7 +28,8 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q tests
 
-# The denoisers the cache benchmark measures on, trained here on scikit-learn's digits (~1 CPU-hour);
+# The denoisers the cache benchmark measures on (three image models and a video one), trained here on
+# scikit-learn's digits (~1 CPU-hour);
 # checkpoints go to $${TORCHFIX_CACHE:-~/.cache/torchfix}/denoisers, outside git.
 denoisers: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
@@ -37,6 +38,7 @@ denoisers: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/caches.py
+	$(BIN)/python benchmarks/families.py
 	$(BIN)/python benchmarks/guard_overhead.py
 	$(BIN)/python benchmarks/deepcache.py
 	$(BIN)/python benchmarks/transformer_cache.py

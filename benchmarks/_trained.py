@@ -18,17 +18,31 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchfix.testing import tiny_flux_pipeline, tiny_sd3_pipeline, tiny_sd15_pipeline
+from torchfix.testing import tiny_flux_pipeline, tiny_sd3_pipeline, tiny_sd15_pipeline, tiny_wan22_pipeline
 
 SIZE = (128, 128)
-KINDS = ("sd15", "sd3", "flux")
+KINDS = ("sd15", "sd3", "flux", "wan")
 # The architectures the benchmarks use (torchfix.testing's builders with these arguments).
 BUILDERS = {
     "sd15": lambda: tiny_sd15_pipeline(),
     "sd3": lambda: tiny_sd3_pipeline(layers=8),
     "flux": lambda: tiny_flux_pipeline(layers=4, single_layers=8),
+    "wan": lambda: tiny_wan22_pipeline(boundary_ratio=None, layers=8, heads=4, head_dim=16),
 }
-LABELS = {"sd15": "SD1.5-like UNet", "sd3": "SD3-like (8 joint blocks, CFG)", "flux": "Flux-like (4 double + 8 single blocks)"}
+LABELS = {
+    "sd15": "SD1.5-like UNet",
+    "sd3": "SD3-like (8 joint blocks, CFG)",
+    "flux": "Flux-like (4 double + 8 single blocks)",
+    "wan": "Wan-like video (8 blocks, CFG; 9 frames of a moving digit)",
+}
+# What a video kind is called with: its size (pixels) and frames; the image kinds use SIZE.
+VIDEO = {"wan": {"size": (64, 64), "num_frames": 9, "max_sequence_length": 16}}
+
+
+def call(kind: str) -> dict[str, Any]:
+    """Keyword arguments of ``torchfix.testing.latents`` for ``kind``: its size, and a video's frames."""
+    video = dict(VIDEO.get(kind, {}))
+    return {"size": video.pop("size", SIZE), **video}
 
 
 def prompt(digit: int) -> str:

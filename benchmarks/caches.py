@@ -43,7 +43,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 from _common import machine, pareto, save_plot, write_section  # noqa: E402
-from _trained import BUILDERS, LABELS, SIZE, cache_dir, meta, prompt, trained_pipeline  # noqa: E402
+from _trained import BUILDERS, LABELS, SIZE, VIDEO, cache_dir, call, meta, prompt, trained_pipeline  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.deepcache import DeepCacheConfig  # noqa: E402
@@ -58,8 +58,13 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def kind_of(pipe: Any) -> str:
+    """The video kind a pipeline belongs to (its call takes frames), else ''."""
+    return "wan" if type(pipe).__name__.startswith("Wan") else ""
+
+
 def generate(pipe: Any, text: str) -> torch.Tensor:
-    return latents(pipe, text, steps=STEPS, size=SIZE, seed=0)
+    return latents(pipe, text, steps=STEPS, seed=0, **call(kind_of(pipe)))
 
 
 # --- the rows ------------------------------------------------------------------------------------------
@@ -99,7 +104,7 @@ def torchfix_rows(kind: str, quick: bool) -> list[Row]:
         for interval in (3, 4, 5, 6, 8) if not quick else (4, 8):
             for order in (1, 2):
                 rows.append(row(DeepCacheConfig(interval=interval, forecast=order, stop=0.9, keep_first=0, keep_last=1)))
-        if kind == "flux":  # its last block keeps the text stream: nothing needs to run on a cached step
+        if kind in ("flux", "wan"):  # the last block keeps every stream (keep_last=0, their default): no block runs on a cached step
             for interval in intervals:
                 for stop in (1.0, 0.95, 0.9):
                     rows.append(row(DeepCacheConfig(interval=interval, forecast=1, stop=stop, keep_first=0, keep_last=0)))
@@ -109,9 +114,9 @@ def torchfix_rows(kind: str, quick: bool) -> list[Row]:
                     rows.append(row(cfg))
         # the measured sensitivity (the default) against a fixed one: 1.0 adds the forecast residual to the input (as
         # before), 0.0 forecasts the blocks' output (TaylorSeer's whole-block forecast)
-        for interval in (3, 4) if kind == "flux" else (3, 4, 6):
+        for interval in (3, 4) if kind in ("flux", "wan") else (3, 4, 6):
             for s in (1.0, 0.0):
-                kw = dict(stop=1.0, keep_last=0) if kind == "flux" else dict(stop=0.9, keep_last=1)
+                kw = dict(stop=1.0, keep_last=0) if kind in ("flux", "wan") else dict(stop=0.9, keep_last=1)
                 rows.append(row(DeepCacheConfig(interval=interval, forecast=1, keep_first=0, sensitivity=s, **kw)))
         for cap in (4, 8):
             for threshold in (0.03, 0.06, 0.1, 0.2) if not quick else (0.06, 0.2):
@@ -139,7 +144,7 @@ def deepcache_011_rows(quick: bool) -> list[Row]:
     return [row(i) for i in ((2, 3, 5) if quick else (2, 3, 4, 5, 6))]
 
 
-def faster_cache_config(pipe: Any, model: Any) -> Any:
+def faster_cache_config(pipe: Any, model: Any, video: bool = False) -> Any:
     """diffusers' FasterCache as both cache benchmarks run it: attention skip 2 at every timestep, the
     unconditional batch every other step (guidance-distilled for Flux)."""
     from diffusers import FasterCacheConfig
@@ -149,13 +154,13 @@ def faster_cache_config(pipe: Any, model: Any) -> Any:
         spatial_attention_timestep_skip_range=(-1, 1000),
         unconditional_batch_skip_range=2,
         unconditional_batch_timestep_skip_range=(-1, 1000),
-        tensor_format="BCHW",
+        tensor_format="BCFHW" if video else "BCHW",
         is_guidance_distilled=type(model).__name__.startswith("Flux"),
         current_timestep_callback=lambda: pipe.current_timestep,
     )
 
 
-def diffusers_rows(transformer: bool, quick: bool) -> list[Row]:
+def diffusers_rows(transformer: bool, quick: bool, kind: str = "") -> list[Row]:
     from diffusers import (
         FirstBlockCacheConfig,
         MagCacheConfig,
@@ -192,6 +197,8 @@ def diffusers_rows(transformer: bool, quick: bool) -> list[Row]:
             )
         )
     blocks = [r"^(transformer_blocks|single_transformer_blocks)\.\d+$"] if transformer else [r"^(down_blocks|up_blocks)\.\d+$|^mid_block$"]
+    if kind in VIDEO:
+        blocks = [r"^blocks\.\d+$"]  # Wan's
     for interval, order in ((2, 1), (3, 1), (4, 1), (5, 1), (3, 2)) if not quick else ((3, 1),):
         rows.append(
             row(
@@ -214,7 +221,7 @@ def diffusers_rows(transformer: bool, quick: bool) -> list[Row]:
                 ),
             )
         )
-    rows.append(row("FasterCache spatial skip=2", apply_faster_cache, lambda p: faster_cache_config(p, model_of(p))))
+    rows.append(row("FasterCache spatial skip=2", apply_faster_cache, lambda p: faster_cache_config(p, model_of(p), kind in VIDEO)))
     if transformer:
         for t in (0.03, 0.06, 0.12, 0.24) if not quick else (0.06, 0.24):
             rows.append(
@@ -286,7 +293,7 @@ def run_model(kind: str, trained: bool, quick: bool) -> list[dict[str, Any]]:
     rows = torchfix_rows(kind, quick)
     if transformer:
         problem = calibrate_magcache(build)
-        rows += [r for r in diffusers_rows(True, quick) if "MagCache" not in r[0] or not problem] + cache_dit_rows(quick)
+        rows += [r for r in diffusers_rows(True, quick, kind) if "MagCache" not in r[0] or not problem] + cache_dit_rows(quick)
         if problem:
             rows.append(("diffusers MagCache (calibration failed: " + problem + ")", None, True))
     else:
@@ -384,6 +391,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rows, trained models only")
     ap.add_argument("--kind", action="append", choices=tuple(BUILDERS), help="measure these models only (kept for --render)")
     ap.add_argument("--render", action="store_true", help="write the page from every model's kept results, measuring nothing")
+    ap.add_argument("--section", default="caches", help="the section of docs/benchmarks.md to write (and its plot, <section>.png)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     kinds = args.kind or list(BUILDERS)
@@ -396,8 +404,8 @@ def main() -> int:
     kept = cache_dir().parent / "cache-benchmark.json"  # per model, so models can be measured in separate processes
     store = json.loads(kept.read_text()) if kept.exists() else {}
     if args.render:
-        kinds = [k for k in BUILDERS if any(key.startswith(k + "/") for key in store)]
-        results = {(k, t == "trained"): v["rows"] for key, v in store.items() for k, t in [key.split("/")]}
+        kinds = [k for k in args.kind or BUILDERS if any(key.startswith(k + "/") for key in store)]
+        results = {(k, t == "trained"): v["rows"] for key, v in store.items() for k, t in [key.split("/")] if k in kinds}
         minutes = sum(v["minutes"] for v in store.values())
         when = ", ".join(sorted({v["when"] for v in store.values()}))
     else:
@@ -429,7 +437,9 @@ def main() -> int:
         f"Machine: {machine()}. cache-dit {ver('cache-dit')}, DeepCache {ver('DeepCache')}, scikit-learn {ver('scikit-learn')}.",
         "",
         f"`benchmarks/caches.py{' --quick' if args.quick else ''}` ({when}, {minutes:.0f} min of measuring; load average at the end "
-        f"of each model: {loads}): {SIZE[0]}×{SIZE[1]}, "
+        f"of each model: {loads}): images {SIZE[0]}×{SIZE[1]}, videos "
+        + ", ".join(f"{k} {v['size'][0]}×{v['size'][1]}×{v['num_frames']} frames" for k, v in VIDEO.items() if k in kinds)
+        + ", "
         f"{STEPS} steps, prompts {', '.join(repr(p) for p in PROMPTS)}, seed 0, one torch thread. Work = plain FLOPs ÷ cached FLOPs "
         "(torch's counter, CPU flash attention included); wall = plain ÷ cached seconds, one run each, back to back; rel-L2 = final "
         "latents vs plain, mean over the prompts; ✓ = on the work/error Pareto front of its model. Trained checkpoints: "
@@ -475,8 +485,9 @@ def main() -> int:
             ax.set_ylabel("work speedup (FLOPs)")
             ax.set_title(title, fontsize=9)
     if plt is not None:
-        lines.append(save_plot(fig, "torchfix DeepCache (o) vs other caches (x)", "caches.png", "work vs error"))
-    write_section("caches", "## Caches on trained denoisers and random weights (issue #25)\n\n" + "\n".join(lines))
+        lines.append(save_plot(fig, "torchfix DeepCache (o) vs other caches (x)", f"{args.section.replace('-', '_')}.png", "work vs error"))
+    heading = "Caches on trained denoisers and random weights" + (" (issue #25)" if args.section == "caches" else ": video")
+    write_section(args.section, f"## {heading}\n\n" + "\n".join(lines))
     print("\n".join(lines))
     print("\n".join(verdicts))
     return 0

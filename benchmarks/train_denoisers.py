@@ -1,14 +1,15 @@
-"""Train the tiny SD1.5-like UNet, SD3-like and Flux-like transformers on scikit-learn's digits, offline.
+"""Train the tiny SD1.5-like UNet, SD3-like, Flux-like and Wan-like (video) transformers on scikit-learn's digits, offline.
 
-    .venv/bin/python benchmarks/train_denoisers.py               # all three (make denoisers; ~20 CPU-minutes)
+    .venv/bin/python benchmarks/train_denoisers.py               # all four (make denoisers; ~1 CPU-hour)
     .venv/bin/python benchmarks/train_denoisers.py --kind flux   # one
     .venv/bin/python benchmarks/train_denoisers.py --check       # only re-check the saved ones
 
 Data: ``sklearn.datasets.load_digits`` (1,797 8×8 digits, shipped inside scikit-learn), lifted to 128×128
-RGB, encoded by each pipeline's own (random, frozen) VAE and standardised. Conditioning: "a handwritten digit
+RGB, encoded by each pipeline's own (random, frozen) VAE and standardised; for the Wan-like video model, 9 frames
+of each digit (24×24) moving across a 64×64 frame, in a direction and from a start set per digit image. Conditioning: "a handwritten digit
 k" through each pipeline's own frozen text encoders, dropped to "" 10% of the time so classifier-free
 guidance has an unconditional branch to work with. Objective: the pipeline's own (SD1.5: ε-prediction on the
-DDIM scheduler's noise schedule; SD3/Flux: rectified flow, velocity ε − x₀ at logit-normal σ). AdamW, batch
+DDIM scheduler's noise schedule; SD3/Flux/Wan: rectified flow, velocity ε − x₀ at logit-normal σ). AdamW, batch
 32, one torch thread, seeded.
 
 Check: each model samples 2 latents per digit with its pipeline (20 steps, the pipeline's own guidance):
@@ -34,22 +35,48 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import machine  # noqa: E402
-from _trained import BUILDERS, KINDS, SIZE, cache_dir, denoiser_name, prompt, trained_pipeline  # noqa: E402
+from _trained import BUILDERS, KINDS, SIZE, VIDEO, cache_dir, call, denoiser_name, prompt, trained_pipeline  # noqa: E402
+
+from torchfix.testing import latents  # noqa: E402
 
 # Optimiser steps (10-25 CPU-minutes each on one thread). The checkpoints of docs/benchmarks.md were trained in
 # two runs for SD3 (700, then --resume 800) and Flux (500, then --resume 500): the same steps, the learning-rate
 # schedule restarted once.
-STEPS = {"sd15": 1500, "sd3": 1500, "flux": 1000}
+STEPS = {"sd15": 1500, "sd3": 1500, "flux": 1000, "wan": 2500}
 BATCH = 32
 
 
-def digit_latents(pipe) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
-    """(standardised latents, labels, (mean, std)) of every digit, through the pipeline's VAE."""
+def moving(digits: torch.Tensor, frames: int, size: tuple[int, int]) -> torch.Tensor:
+    """``(N, 3, frames, H, W)`` clips in [-1, 1]: each 8×8 digit, scaled to 24×24, moving across a black frame in a
+    straight line whose start and direction are set per digit image (seeded)."""
+    n, (h, w), d = len(digits), size, 24
+    big = F.interpolate(digits, size=(d, d), mode="bilinear", align_corners=False)  # (N, 1, 24, 24)
+    g = torch.Generator().manual_seed(0)
+    start = torch.stack([torch.randint(0, h - d + 1, (n,), generator=g), torch.randint(0, w - d + 1, (n,), generator=g)], 1)
+    angle = torch.rand(n, generator=g) * 2 * torch.pi
+    speed = torch.stack([angle.sin(), angle.cos()], 1) * 2.5  # pixels per frame
+    clips = torch.zeros(n, 1, frames, h, w)
+    for f in range(frames):
+        at = (start + speed * (f - frames // 2)).round().long()
+        at[:, 0].clamp_(0, h - d)
+        at[:, 1].clamp_(0, w - d)
+        for i in range(n):
+            y, x = int(at[i, 0]), int(at[i, 1])
+            clips[i, :, f, y : y + d, x : x + d] = big[i]
+    return clips.repeat(1, 3, 1, 1, 1) * 2 - 1
+
+
+def digit_latents(pipe, kind: str = "") -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
+    """(standardised latents, labels, (mean, std)) of every digit (a clip of it, for a video kind), through the
+    pipeline's VAE."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16.0  # (N, 1, 8, 8) in [0, 1]
-    images = F.interpolate(images, size=SIZE, mode="bilinear", align_corners=False).repeat(1, 3, 1, 1) * 2 - 1
+    if kind in VIDEO:
+        images = moving(images, VIDEO[kind]["num_frames"], VIDEO[kind]["size"])
+    else:
+        images = F.interpolate(images, size=SIZE, mode="bilinear", align_corners=False).repeat(1, 3, 1, 1) * 2 - 1
     with torch.no_grad():
         z = torch.cat([pipe.vae.encode(images[i : i + 128]).latent_dist.mean for i in range(0, len(images), 128)])
     mean, std = z.mean().item(), z.std().item()
@@ -68,6 +95,10 @@ def conditions(pipe, kind: str) -> dict[str, torch.Tensor]:
             elif kind == "sd3":
                 embeds, _, pooled, _ = pipe.encode_prompt(text, None, None, do_classifier_free_guidance=False)
                 parts = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+            elif kind == "wan":
+                length = VIDEO[kind]["max_sequence_length"]
+                embeds, _ = pipe.encode_prompt(text, do_classifier_free_guidance=False, max_sequence_length=length)
+                parts = {"encoder_hidden_states": embeds}
             else:
                 embeds, pooled, _ = pipe.encode_prompt(text, None)
                 parts = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
@@ -85,10 +116,10 @@ def loss_of(pipe, kind: str, model, x0: torch.Tensor, cond: dict[str, torch.Tens
         pred = model(xt, t, encoder_hidden_states=cond["encoder_hidden_states"]).sample
         return F.mse_loss(pred, noise)
     sigma = torch.sigmoid(torch.randn(b))  # logit-normal, as SD3 trains
-    s = sigma.view(b, 1, 1, 1)
+    s = sigma.view(b, *([1] * (x0.dim() - 1)))
     xt = (1 - s) * x0 + s * noise
     target = noise - x0
-    if kind == "sd3":
+    if kind in ("sd3", "wan"):
         pred = model(hidden_states=xt, timestep=sigma * 1000, **cond).sample
         return F.mse_loss(pred, target)
     c, h, w = x0.shape[1:]
@@ -105,7 +136,7 @@ def train(kind: str, steps: int, resume: bool = False) -> dict:
     before = json.loads((cache_dir() / kind / "training.json").read_text()) if resume else None
     name = denoiser_name(pipe)
     model = getattr(pipe, name)
-    z, labels, (mean, std) = digit_latents(pipe)
+    z, labels, (mean, std) = digit_latents(pipe, kind)
     cond = conditions(pipe, kind)
     text_len = cond["encoder_hidden_states"].shape[1]
     model.train()
@@ -154,20 +185,18 @@ def train(kind: str, steps: int, resume: bool = False) -> dict:
 
 def training_latents(pipe, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(every training latent, flattened as the pipeline outputs it, labels)."""
-    z, labels, _ = digit_latents(pipe)
+    z, labels, _ = digit_latents(pipe, kind)
     if kind == "flux":
         b, c, h, w = z.shape
         z = pipe._pack_latents(z, b, c, h, w)
     return z.flatten(1), labels
 
 
-def samples(pipe, per_digit: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def samples(pipe, kind: str, per_digit: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     outs, digits = [], []
     for k in range(10):
         for seed in range(per_digit):
-            gen = torch.Generator().manual_seed(seed)
-            out = pipe(prompt(k), num_inference_steps=steps, height=SIZE[0], width=SIZE[1], output_type="latent", generator=gen)
-            outs.append(out.images)
+            outs.append(latents(pipe, prompt(k), steps=steps, seed=seed, **call(kind)))
             digits.append(k)
     return torch.cat(outs).flatten(1).float(), torch.tensor(digits)
 
@@ -181,8 +210,8 @@ def check(kind: str, per_digit: int = 2, steps: int = 20) -> dict:
 
     pipe = trained_pipeline(kind)
     data, labels = training_latents(pipe, kind)
-    got, digits = samples(pipe, per_digit, steps)
-    untrained, _ = samples(BUILDERS[kind](), per_digit, steps)
+    got, digits = samples(pipe, kind, per_digit, steps)
+    untrained, _ = samples(BUILDERS[kind](), kind, per_digit, steps)
     fidelity = (torch.cdist(got, data).min(1).values.mean() / torch.cdist(untrained, data).min(1).values.mean()).item()
     knn = KNeighborsClassifier(n_neighbors=5).fit(data.numpy(), labels.numpy())
     right = int((torch.from_numpy(knn.predict(got.numpy())) == digits).sum())
