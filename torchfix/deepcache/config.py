@@ -67,13 +67,14 @@ class DeepCacheConfig:
         num_steps: steps per generation, for a bare UNet driven without a
             diffusers scheduler (pipelines report it themselves). Needed only by
             ``nonuniform`` and the ``start``/``stop`` window.
-        keep_first, keep_last: for a diffusion transformer (SD3, Flux): how many
-            blocks at the start and at the end of its block chain run on every
+        keep_first, keep_last: for a diffusion transformer: how many blocks at the
+            start and at the end of its block chain (in call order) run on every
             step; the blocks in between are cached. Fewer kept blocks is faster
             (and on the trained models no less exact: ``keep_first=None``, the
-            default, is 0; ``keep_last=None`` is 0 where the last block keeps the
-            text stream, as Flux's does, so a cached step runs only the embedders
-            and the output layers, and 1 where it drops it, as SD3's does). A UNet
+            default, is 0; ``keep_last=None`` is the family's: 0 where the last block
+            returns every stream, as Flux's and Wan's do, so a cached step runs only
+            the embedders and the output layers, and 1 where it drops the text
+            stream, as SD3's and Mochi's do: :mod:`torchfix.families`). A UNet
             ignores them (``branch`` plays that role).
         forecast: on a cached step, extrapolate the cached feature (UNet) or residual
             (transformer) from the last ``forecast + 1`` full steps with finite
