@@ -10,7 +10,7 @@
 
 On a CUDA machine: SD-sized shapes, TFLOP/s and peak bytes (``max_memory_allocated``
 above the inputs). On a CPU: smaller shapes, GFLOP/s and the bytes the call
-allocates (profiler). Writes the "kernels" section of docs/benchmarks.md.
+allocates (profiler). Writes the "kernels" (CPU) or "kernels-cuda" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ def allocated_cpu(fn) -> int:
     return sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
 
 
-def run(cases, device: str, reps: int, rounds: int) -> list[str]:
-    rows = []
+def run(cases, device: str, reps: int, rounds: int) -> tuple[list[str], list[tuple[float, float]]]:
+    """The table's lines, and per case (c)'s speed against (b) and against (a)."""
+    rows, speeds = [], []
     for case in cases:
         a, b, out = operands(case, device)
         fns = variants(a, b, out)
@@ -127,12 +128,13 @@ def run(cases, device: str, reps: int, rounds: int) -> list[str]:
             f"| {case[0]} | {rate['a']:.1f} | {rate['b']:.1f} | {rate['c']:.1f} | {best['b'] / best['c']:.2f}x | "
             f"{best['a'] / best['c']:.2f}x | {mem['b'] / 2**20:.1f} | {mem['c'] / 2**20:.1f} | {out_bytes / 2**20:.1f} |"
         )
+        speeds.append((best["b"] / best["c"], best["a"] / best["c"]))
         print(rows[-1], flush=True)
     header = (
         f"| shape | (a) {unit} | (b) {unit} | (c) {unit} | (c) vs (b) speed | (c) vs (a) speed | "
         "(b) MiB | (c) MiB | output MiB |\n|---|---|---|---|---|---|---|---|---|"
     )
-    return [header, *rows]
+    return [header, *rows], speeds
 
 
 def main() -> None:
@@ -144,10 +146,12 @@ def main() -> None:
     reps, rounds = (3, 2) if args.quick else ((20, 5) if cuda else (5, 3))
     if not cuda:
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    table = run(GPU_CASES if cuda else CPU_CASES, device, reps, rounds)
+    table, speeds = run(GPU_CASES if cuda else CPU_CASES, device, reps, rounds)
     memory = "peak bytes above the inputs (max_memory_allocated)" if cuda else "bytes the call allocates (profiler)"
     body = [
-        "## Kernels: torch.ops.torchfix.matmul (`benchmarks/kernels.py`)",
+        "## Kernels on a GPU: torch.ops.torchfix.matmul (`benchmarks/kernels.py` on CUDA)"
+        if cuda
+        else "## Kernels: torch.ops.torchfix.matmul (`benchmarks/kernels.py`)",
         "",
         f"Machine: {machine()}. Device: {device}. Best of {rounds} interleaved rounds of {reps} calls. "
         f"(a) torch.matmul on pre-cast contiguous operands (preparation not timed); (b) cast + .contiguous() + "
@@ -156,7 +160,16 @@ def main() -> None:
         *table,
         "",
     ]
-    if not cuda:
+    if cuda:
+        faster = sum(vs_b > 1 for vs_b, _ in speeds)
+        close = sum(vs_a >= 0.9 for _, vs_a in speeds)
+        body.append(
+            f"Speed goals: (c) faster than (b) on {faster} of {len(speeds)} shapes, within 0.9x of (a) on {close} of "
+            f"{len(speeds)}. With an fp32 result, (a) is cuBLAS's fp32 GEMM (TF32 off by default) while (c) runs the "
+            "fp16/bf16 operands in TF32, which holds them exactly. This script times; correctness on the GPU is "
+            "tests/kernels/test_cuda.py's (see torchfix.kernels.HARDWARE_RUNS for what has passed)."
+        )
+    else:
         body.append(
             "GPU figures are missing: no GPU was available for this run. On the CPU, (c) is the BLAS reference "
             "(low-precision operands are upcast to fp32, which is its accumulation), so (b) and (c) do the same work "
@@ -164,7 +177,7 @@ def main() -> None:
             "speed goals ((c) faster than (b), within 0.9x of (a)) can only be checked on a CUDA machine: "
             "rerun this script there."
         )
-    write_section("kernels", "\n".join(body))
+    write_section("kernels-cuda" if cuda else "kernels", "\n".join(body))
 
 
 if __name__ == "__main__":

@@ -44,8 +44,23 @@ class HardwareRun:
     passed: bool
 
 
-# No GPU or Apple machine has run the kernels yet (see docs/kernels.md).
-HARDWARE_RUNS: tuple[HardwareRun, ...] = ()
+# Runs on real hardware, passing or not (see docs/kernels.md). None has passed yet, so the kernels stay opt-in.
+HARDWARE_RUNS: tuple[HardwareRun, ...] = (
+    HardwareRun(
+        date="2026-11-26",
+        torch="2.11.0+cu130 (triton 3.6.0)",
+        device_type="cuda",
+        device="NVIDIA H200",
+        command="TRITON_INTERPRET=0 python -m pytest tests/kernels; python benchmarks/kernels.py",
+        result=(
+            "incomplete: tests/kernels/test_cuda.py's hypothesis test (run first) outran its 200 s limit, every new "
+            "shape autotuning 6 compiled tile configs, so the module's other CUDA tests never ran; the interpreter "
+            "tests failed (triton 3.6's interpreter needs TRITON_INTERPRET=1 before triton loads); "
+            "benchmarks/kernels.py ran its 4 SD-sized cases on the GPU"
+        ),
+        passed=False,
+    ),
+)
 
 
 def verified(device_type: str, runs: tuple[HardwareRun, ...] | None = None) -> bool:
