@@ -25,8 +25,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check torchfix torchfix_pytest.py tests benchmarks examples
 
+# Two workers (pytest-xdist), one torch thread each: the tests are many small models, so two processes finish in
+# about half the time of one on two cores. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
 # The denoisers the cache benchmark measures on (three image models and a video one), trained here on
 # scikit-learn's digits (~1 CPU-hour);

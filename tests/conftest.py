@@ -14,7 +14,8 @@ from torchfix import _context
 from torchfix.config import OFF
 from torchfix.patches import ALL as PATCHES
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (make test: two workers on two cores) each worker takes one thread; alone, up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 ORIGINALS = {p.label: getattr(p.owner, p.name) for p in PATCHES}
 
