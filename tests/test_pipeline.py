@@ -174,6 +174,7 @@ def test_mismatched_components_are_a_preflight_error():
 
 FRESH = """
 import sys, torch
+torch.set_num_threads({threads})  # the test process's (a pytest-xdist worker has one): bit-identical needs the same
 from torchfix.testing import {builder}
 import torchfix
 pipe = {builder}()
@@ -186,7 +187,7 @@ torch.save(out, sys.argv[1])
 def _fresh(builder, tmp_path):
     path = tmp_path / f"{builder}.pt"
     env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(FRESH.format(builder=builder)), str(path)],
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(FRESH.format(builder=builder, threads=torch.get_num_threads())), str(path)],
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     return torch.load(path)

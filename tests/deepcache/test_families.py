@@ -171,7 +171,6 @@ COMPILED = {
     "wan": "one stream in, one tensor out (video)",
     "sana": "one stream, text passed beside it, one tensor out",
     "flux2": "two lists: (encoder, hidden) pairs, then one joint stream",
-    "qwenimage": "two streams returned as (encoder, hidden)",
     "cogvideox": "two streams returned as (hidden, encoder)",
     "mochi": "the last block always runs",
     "hunyuanvideo": "latents whose first step's strides differ from the later steps'",
