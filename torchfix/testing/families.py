@@ -259,6 +259,27 @@ def _text(c: Call, tokens: int, width: int) -> torch.Tensor:
     return c.randn(c.batch, tokens, width, prompt=True)
 
 
+def _cogview_inputs(c: Call) -> dict[str, Any]:
+    """CogView3-Plus's and CogView4's step: the latents, 8 text tokens 8 wide, and SDXL-like size conditioning."""
+    return {
+        "hidden_states": _image(c),
+        "encoder_hidden_states": _text(c, 8, 8),
+        "original_size": torch.tensor([[64, 64]] * c.batch),
+        "target_size": torch.tensor([[64, 64]] * c.batch),
+        "crop_coords": torch.tensor([[0, 0]] * c.batch),
+    }
+
+
+def _qwen_inputs(c: Call) -> dict[str, Any]:
+    """Qwen-Image's and Nucleus-MoE's step: packed latents (16 channels), 8 text tokens 16 wide, the image shapes."""
+    return {
+        "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 16),
+        "encoder_hidden_states": _text(c, 8, 16),
+        "encoder_hidden_states_mask": torch.ones(c.batch, 8, dtype=torch.long),
+        "img_shapes": [(1, *c.size)] * c.batch,
+    }
+
+
 _WAN = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 2,
@@ -409,12 +430,7 @@ _TINY = [
             "guidance_embeds": False,
             "axes_dims_rope": (8, 4, 4),
         },
-        lambda c: {
-            "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 16),
-            "encoder_hidden_states": _text(c, 8, 16),
-            "encoder_hidden_states_mask": torch.ones(c.batch, 8, dtype=torch.long),
-            "img_shapes": [(1, *c.size)] * c.batch,
-        },
+        _qwen_inputs,
         scale=1.0,
         sizes=((4, 4), (6, 8)),
         per_sample=("img_shapes",),
@@ -537,13 +553,7 @@ _TINY = [
             "time_embed_dim": 8,
             "condition_dim": 4,
         },
-        lambda c: {
-            "hidden_states": _image(c),
-            "encoder_hidden_states": _text(c, 8, 8),
-            "original_size": torch.tensor([[64, 64]] * c.batch),
-            "target_size": torch.tensor([[64, 64]] * c.batch),
-            "crop_coords": torch.tensor([[0, 0]] * c.batch),
-        },
+        _cogview_inputs,
     ),
     Tiny(
         "auraflow",
@@ -901,13 +911,7 @@ _TINY = [
             "pos_embed_max_size": 8,
             "sample_size": 8,
         },
-        lambda c: {
-            "hidden_states": _image(c),
-            "encoder_hidden_states": _text(c, 8, 8),
-            "original_size": torch.tensor([[64, 64]] * c.batch),
-            "target_size": torch.tensor([[64, 64]] * c.batch),
-            "crop_coords": torch.tensor([[0, 0]] * c.batch),
-        },
+        _cogview_inputs,
     ),
     Tiny(
         "nucleus-moe",
@@ -924,12 +928,7 @@ _TINY = [
             "moe_enabled": False,
             "capacity_factors": [8.0, 8.0],
         },
-        lambda c: {
-            "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 16),
-            "encoder_hidden_states": _text(c, 8, 16),
-            "encoder_hidden_states_mask": torch.ones(c.batch, 8, dtype=torch.long),
-            "img_shapes": [(1, *c.size)] * c.batch,
-        },
+        _qwen_inputs,
         scale=1.0,
         sizes=((4, 4), (6, 8)),
         per_sample=("img_shapes",),
