@@ -247,6 +247,19 @@ def _flux_like(c: Call, channels: int = 4, text: int = 32, tokens: int = 12, poo
     return out
 
 
+def _unpooled_flux(family: str, model: str, config: dict[str, Any], guidance: bool = False) -> Tiny:
+    """A Flux-like builder without pooled text (Chroma, Bria, LongCat-Image, Ovis-Image): packed latents, position
+    ids shared by the batch, flow matching; ``guidance``: a distilled-guidance scale per sample."""
+
+    def inputs(c: Call) -> dict[str, Any]:
+        out = _flux_like(c, pooled=None)
+        if guidance:
+            out["guidance"] = torch.full((c.batch,), 3.5)
+        return out
+
+    return Tiny(family, model, config, inputs, scale=1.0, sizes=((4, 4), (6, 8)), shared=("img_ids", "txt_ids"))
+
+
 def _image(c: Call, channels: int = 4) -> torch.Tensor:
     return c.randn(c.batch, channels, *c.size)
 
@@ -395,7 +408,7 @@ _TINY = [
         scale=1.0,
         sizes=((4, 4), (6, 8)),
     ),
-    Tiny(
+    _unpooled_flux(
         "chroma",
         "ChromaTransformer2DModel",
         {
@@ -411,10 +424,6 @@ _TINY = [
             "approximator_hidden_dim": 16,
             "approximator_layers": 1,
         },
-        lambda c: _flux_like(c, pooled=None),
-        scale=1.0,
-        sizes=((4, 4), (6, 8)),
-        shared=("img_ids", "txt_ids"),
     ),
     Tiny(
         "qwenimage",
@@ -838,7 +847,7 @@ _TINY = [
         frames=(1, 2),
     ),
     # --- more denoisers of diffusers 0.42.1's pipelines ---
-    Tiny(
+    _unpooled_flux(
         "bria",
         "BriaTransformer2DModel",
         {
@@ -852,12 +861,8 @@ _TINY = [
             "pooled_projection_dim": None,
             "axes_dims_rope": [0, 4, 4],
         },
-        lambda c: _flux_like(c, pooled=None),
-        scale=1.0,
-        sizes=((4, 4), (6, 8)),
-        shared=("img_ids", "txt_ids"),
     ),
-    Tiny(
+    _unpooled_flux(
         "longcat-image",
         "LongCatImageTransformer2DModel",
         {
@@ -871,12 +876,9 @@ _TINY = [
             "pooled_projection_dim": 32,
             "axes_dims_rope": [4, 4, 8],
         },
-        lambda c: {**_flux_like(c, pooled=None), "guidance": torch.full((c.batch,), 3.5)},
-        scale=1.0,
-        sizes=((4, 4), (6, 8)),
-        shared=("img_ids", "txt_ids"),
+        guidance=True,
     ),
-    Tiny(
+    _unpooled_flux(
         "ovis-image",
         "OvisImageTransformer2DModel",
         {
@@ -890,10 +892,6 @@ _TINY = [
             "joint_attention_dim": 32,
             "axes_dims_rope": (4, 4, 8),
         },
-        lambda c: _flux_like(c, pooled=None),
-        scale=1.0,
-        sizes=((4, 4), (6, 8)),
-        shared=("img_ids", "txt_ids"),
     ),
     Tiny(
         "cogview3plus",
