@@ -34,6 +34,16 @@ def machine() -> str:
     )
 
 
+def rel_l2(a: torch.Tensor | list[torch.Tensor], b: torch.Tensor | list[torch.Tensor]) -> float:
+    """``||a - b|| / ||b||`` in float32; a list (LTX-2's video and audio latents) counts as one flat tensor."""
+
+    def flat(x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.flatten().float() for t in x]) if isinstance(x, list) else x.flatten().float()
+
+    a, b = flat(a), flat(b)
+    return ((a - b).norm() / b.norm()).item()
+
+
 def write_section(name: str, body: str) -> None:
     """Replace (or append) the block between ``<!-- name:start -->`` and ``<!-- name:end -->``."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"

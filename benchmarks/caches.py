@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from _common import machine, pareto, save_plot, write_section  # noqa: E402
+from _common import machine, pareto, rel_l2, save_plot, write_section  # noqa: E402
 from _trained import BUILDERS, LABELS, SIZE, VIDEO, cache_dir, call, meta, prompt, trained_pipeline  # noqa: E402
 
 import torchfix  # noqa: E402
@@ -52,10 +52,6 @@ from torchfix.testing import flops, latents  # noqa: E402
 STEPS = 20
 PROMPTS = (prompt(1), prompt(4), prompt(7))
 Row = tuple[str, Callable[[Any], Any], bool]  # (label, apply to a pipeline -> undo or None, needs a fresh pipeline)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def kind_of(pipe: Any) -> str:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from _common import DOCS, machine, write_section  # noqa: E402
+from _common import DOCS, machine, rel_l2, write_section  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.deepcache import DeepCacheConfig, full_steps  # noqa: E402
@@ -45,10 +45,6 @@ def generate(pipe, size, prompt="a photo of a cat", seed=0):
         out = latents(pipe, prompt, steps=STEPS, size=size, seed=seed)
         best = min(best, time.perf_counter() - start)
     return out, best
-
-
-def rel_l2(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def cached_cost(pipe, size, branch, reps=2):

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from _common import machine, save_plot, write_section  # noqa: E402
+from _common import machine, rel_l2, save_plot, write_section  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.testing import flops  # noqa: E402
@@ -93,12 +93,6 @@ DEEPER: dict[str, dict[str, Any]] = {
 def deeper(name: str) -> Tiny:
     tiny = FAMILIES[name]
     return replace(tiny, config={**tiny.config, **DEEPER.get(name, {})})
-
-
-def rel_l2(a: Any, b: Any) -> float:
-    flat = lambda x: torch.cat([t.flatten().float() for t in x]) if isinstance(x, list) else x.flatten().float()  # noqa: E731
-    a, b = flat(a), flat(b)
-    return ((a - b).norm() / b.norm()).item()
 
 
 Setup = Callable[[torch.nn.Module], None]

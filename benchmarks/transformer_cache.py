@@ -31,16 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from _common import machine, pareto, save_plot, write_section  # noqa: E402
+from _common import machine, pareto, rel_l2, save_plot, write_section  # noqa: E402
 from caches import faster_cache_config  # noqa: E402
 
 import torchfix  # noqa: E402
 from torchfix.deepcache import DeepCacheConfig, analyse_transformer  # noqa: E402
 from torchfix.testing import latents, tiny_flux_pipeline, tiny_sd3_pipeline  # noqa: E402
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 class Counter:
