@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from .. import families
+from .. import _warn, families
 from ..errors import UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
-from . import engine, streams
+from . import engine, parallel, streams
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig, corrects, for_family, warms_up
 from .forecast import forecast, interpolate, per_sample
@@ -540,11 +540,12 @@ def _measure(state: BlockState) -> None:
         if _off_the_curve(state, oldest):
             continue
         predicted = forecast(history, stream.step - 1, config.forecast)
+        total = parallel.summer(engine.ranks(state))
         for part in range(k):
             residual, entered = value[part], value[k + part]
             if residual is None or entered is None or predicted[part] is None or predicted[k + part] is None:
                 continue
-            slopes = per_sample(residual - predicted[part], entered - predicted[k + part])
+            slopes = per_sample(residual - predicted[part], entered - predicted[k + part], total)
             if slopes is not None:
                 stream.sensitivity[(r, part)] = slopes
                 if r == 0 and part == state.chain.runs[0].image:
@@ -622,6 +623,13 @@ def _revised(output: Any, change: torch.Tensor) -> Any:
 def _begin(state: BlockState, arguments: dict[str, Any]) -> str:
     """Decide this call (and whether it verifies a new call path); eager: Python state only."""
     family = state.family
+    if streams.order_for_parallel(state)[0]:
+        raise UnsupportedModelError(
+            f"torchfix.deepcache: {type(state.model()).__name__}.enable_parallelism(...) came after DeepCache was applied, so "
+            "this call reached DeepCache already split into this rank's shard: its streams would not be the pipeline's. "
+            "torchfix has now moved its hook outside diffusers' context-parallel hooks; call the model again (nothing "
+            "was cached), or apply DeepCache after enable_parallelism (a pipeline call does this by itself)."
+        )
     path = frozenset(k for k, v in arguments.items() if v is not None and k != "kwargs") | frozenset(arguments.get("kwargs") or ())
     chain = state.chains.get(path)
     mode = engine.decide(
@@ -659,12 +667,23 @@ def _keep(state: BlockState, output: Any) -> torch.Tensor | None:
 
 def _verify_call(state: BlockState, model: Any, original: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """The observed full call (eager, also under torch.compile: one step), then the chain it found."""
+    watch = _watch(state)
     try:
-        output = original(*args, **kwargs)
+        if watch is None:
+            output = original(*args, **kwargs)
+        else:
+            with watch:
+                output = original(*args, **kwargs)
         chain = _finish(state, model, output)
     except BaseException:
         state.mode, state.pending, state.recorder = "off", {}, None
         raise
+    if watch is not None and watch.collectives:
+        try:
+            _shared_unseen(state, model, watch.collectives)
+        except UnsupportedModelError:
+            state.mode, state.pending, state.recorder = "off", {}, None
+            raise
     state.recorder = None
     if chain.revise is not None and state.config.revise is True:
         raise ValueError(f"torchfix.deepcache: revise=True, but {type(model).__name__}: {chain.revise}; leave revise=None.")
@@ -673,6 +692,37 @@ def _verify_call(state: BlockState, model: Any, original: Any, args: tuple, kwar
         state.revising = False
     log.debug("torchfix.deepcache: %s verified: %s", type(model).__name__, chain.describe(state.layout))
     return output
+
+
+def _watch(state: BlockState) -> parallel.Watch | None:
+    """While the first call is observed under torch.distributed with no group the model shows: a watch for the
+    collectives it issues (they mean other ranks share the call)."""
+    if engine.ranks(state).shared or not parallel.distributed():
+        return None
+    return parallel.Watch()
+
+
+def _shared_unseen(state: BlockState, model: Any, collectives: list[str]) -> None:
+    """The observed call communicated, yet the model shows no parallel config torchfix reads: other ranks share its
+    calls in a way torchfix cannot see. A threshold's decisions would differ per rank (a hang): refused; a measured
+    sensitivity would be fitted per rank (the ranks' results drift apart): a warning."""
+    what = (
+        f"torchfix.deepcache: {type(model).__name__}'s call issued collectives ({', '.join(sorted(set(collectives))[:3])}) "
+        "but the model has no diffusers parallel config (enable_parallelism) to say which ranks share it"
+    )
+    if state.config.threshold is not None:
+        raise UnsupportedModelError(
+            f"{what}: each rank would measure its own shard and take its own refresh decisions, and ranks that decide "
+            "differently wait for each other forever. Use a fixed schedule (threshold=None), or parallelise the model "
+            "with diffusers' enable_parallelism(config=ContextParallelConfig(...)), whose group torchfix reduces over."
+        )
+    if state.config.sensitivity is None and corrects(state.config):
+        _warn.once(
+            ("unseen-ranks", id(state)),
+            f"{what}: the sensitivity is fitted on each rank's own share, so the ranks' results drift apart (about 1e-5). "
+            "Pass DeepCacheConfig(sensitivity=...) a fixed value, or parallelise with diffusers' enable_parallelism.",
+            stacklevel=4,
+        )
 
 
 _verify_eagerly = outside_graphs(_verify_call)

@@ -21,12 +21,23 @@ from typing import Any
 import torch
 
 from ..families import Family
-from . import streams
+from . import parallel, streams
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig, must_run_full
 from .forecast import forecast, moved, remember
 
-__all__ = ["MODES", "CacheState", "Stream", "context_listener", "decide", "for_this_step", "keep_pending", "keep_reference", "probe"]
+__all__ = [
+    "MODES",
+    "CacheState",
+    "Stream",
+    "context_listener",
+    "decide",
+    "for_this_step",
+    "keep_pending",
+    "keep_reference",
+    "probe",
+    "ranks",
+]
 
 # What a denoiser call does: "off" (caching not engaged: the model runs untouched), "plain" (runs in full and
 # keeps nothing: a call with ControlNet residuals, or interval 1), "full" (runs and keeps what the cached steps
@@ -183,10 +194,17 @@ def probe(state: CacheState, signal: torch.Tensor) -> str:
     """A step the features decide: cached while ``signal`` (what a cached step starts from) moved less than the
     threshold since the last full step, in every sample of the batch, else full. Eager: it reads a tensor."""
     stream = state.current
-    full = stream.reference is None or moved(signal, stream.reference) >= state.config.threshold
+    full = stream.reference is None or moved(signal, stream.reference, parallel.summer(ranks(state))) >= state.config.threshold
     state.mode = "full" if full else "cached"
     _count(state, stream, full)
     return state.mode
+
+
+def ranks(state: CacheState) -> parallel.Group:
+    """The ranks that share this denoiser's calls (context or tensor parallel), whose sums every decision adds;
+    :data:`parallel.ALONE` for one process or data parallelism."""
+    model = state.model() if state.model is not None else None
+    return parallel.ALONE if model is None else parallel.of(model)
 
 
 def keep_reference(state: CacheState, signal: torch.Tensor) -> None:

@@ -97,10 +97,15 @@ def interpolate(history: list[tuple[int, Value]], index: int) -> Value:
     return _map(lambda *values: sum(w * v for w, v in zip(weights, values)), *(v for _, v in points))
 
 
+Total = Any  # None, or a function adding per-rank partial sums over the ranks that share a call (parallel.summer)
+
+
 @outside_graphs
-def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
-    """How far ``now`` moved from ``ref``: ``mean|now − ref| / mean|ref|`` (FirstBlockCache's measure), per sample
-    of the batch (dimension 0), the largest: no sample is cached once it moved as far as the threshold.
+def moved(now: torch.Tensor, ref: torch.Tensor, total: Total = None) -> float:
+    """How far ``now`` moved from ``ref``: ``Σ|now − ref| / Σ|ref|`` (FirstBlockCache's measure, a ratio of means), per
+    sample of the batch (dimension 0), the largest: no sample is cached once it moved as far as the threshold.
+    ``total``: adds each rank's sums over the ranks that share the call (context parallelism: each holds a shard of
+    the tokens), so every rank measures what one process would.
 
     >>> import torch
     >>> round(moved(torch.tensor([1.1, 2.0]), torch.tensor([1.0, 2.0])), 4)
@@ -110,8 +115,11 @@ def moved(now: torch.Tensor, ref: torch.Tensor) -> float:
     """
     if now.dim() < 2:
         now, ref = now.unsqueeze(0), ref.unsqueeze(0)
-    diff = (now.float() - ref.float()).abs().flatten(1).mean(1)
-    return float((diff / ref.float().abs().flatten(1).mean(1).clamp_min(1e-12)).max())
+    diff = (now.float() - ref.float()).abs().flatten(1).sum(1)
+    sums = torch.stack((diff, ref.float().abs().flatten(1).sum(1)), 1)
+    if total is not None:
+        sums = total(sums)
+    return float((sums[:, 0] / sums[:, 1].clamp_min(1e-12)).max())
 
 
 @outside_graphs
@@ -132,11 +140,11 @@ def sensitivity(residual_error: torch.Tensor, input_error: torch.Tensor) -> floa
 
 
 @outside_graphs
-def per_sample(residual_error: torch.Tensor, input_error: torch.Tensor) -> torch.Tensor | None:
+def per_sample(residual_error: torch.Tensor, input_error: torch.Tensor, total: Total = None) -> torch.Tensor | None:
     """:func:`sensitivity` for each sample of the batch (dimension 0), as a tensor (float32 at least) shaped to broadcast
     against the inputs (``[B, 1, ...]``); a sample with nothing to measure gets 1.0 (its input passes through).
     ``None`` where no sample has anything to measure. Each sample is measured alone, so a batch of two is
-    cached as two calls of one would be.
+    cached as two calls of one would be. ``total``: as for :func:`moved` (the two sums of each sample).
 
     >>> import torch
     >>> e_in = torch.tensor([[1.0, -2.0], [0.0, 0.0]])
@@ -145,10 +153,12 @@ def per_sample(residual_error: torch.Tensor, input_error: torch.Tensor) -> torch
     """
     wide = torch.promote_types(input_error.dtype, torch.float32)  # half precision sums in float32
     e_in = input_error.to(wide).flatten(1)
-    power = (e_in * e_in).sum(1)
+    power, dot = (e_in * e_in).sum(1), (residual_error.to(wide).flatten(1) * e_in).sum(1)
+    if total is not None:
+        power, dot = total(torch.stack((power, dot), 1)).to(wide).unbind(1)
     defined = torch.isfinite(power) & (power > 1e-30)
     if not bool(defined.any()):
         return None
-    slope = 1.0 + (residual_error.to(wide).flatten(1) * e_in).sum(1) / torch.where(defined, power, torch.ones_like(power))
+    slope = 1.0 + dot / torch.where(defined, power, torch.ones_like(power))
     slope = torch.where(defined & torch.isfinite(slope), slope.clamp(0.0, 1.0), torch.ones_like(slope))
     return slope.reshape(-1, *([1] * (input_error.dim() - 1)))

@@ -35,6 +35,7 @@ __all__ = [
     "in_call_path",
     "keep_summary",
     "last_call",
+    "order_for_parallel",
     "scoped",
     "signature_of",
     "stream_key",
@@ -164,7 +165,30 @@ def ensure_installed(state: Any) -> int:
     if n:
         state.reinstalls += n
         log.debug("torchfix.deepcache: %d forward(s) re-installed (another hook had replaced them)", n)
+    order_for_parallel(state)
     return n
+
+
+def _context_parallel_hook(name: str) -> bool:
+    return name.startswith(("cp_input---", "cp_output---"))  # diffusers' hooks/context_parallel.py names
+
+
+def order_for_parallel(state: Any) -> tuple[bool, bool]:
+    """Where diffusers' context parallelism hooks the model (``enable_parallelism``, before or after DeepCache):
+    DeepCache's model forward goes outside its hooks (it sees the call's whole latents and the pipeline's own prompt
+    tensors, which key the streams) and each block's forward inside them (it sees the shard the block computes on:
+    Wan and Qwen-Image split the first block's input). Returns whether it moved (the model's, any block's)."""
+    model = state.model() if state.model is not None else None
+    if model is None or getattr(model, "_parallel_config", None) is None:
+        return False, False
+    moved_model = moved_block = False
+    for h in state.handles:
+        if isinstance(h, instance.ForwardHandle):
+            outside = h.module is model
+            if instance.place(h, _context_parallel_hook, outside=outside):
+                moved_model |= outside
+                moved_block |= not outside
+    return moved_model, moved_block
 
 
 def generation_config(state: Any) -> Any:

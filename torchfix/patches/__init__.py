@@ -2,7 +2,7 @@
 
 import threading
 
-from . import compilers
+from . import compilers, libraries
 from .compile import PATCH as COMPILE
 from .core import Patch
 from .torch_ops import PATCHES, TARGETS
@@ -20,12 +20,14 @@ def install() -> None:
     with _lock:
         for p in ALL:
             p.install()
+        libraries.install()
         compilers.sync()
 
 
 def remove() -> None:
     """Remove every wrapper; each attribute ``is`` its original again."""
     with _lock:
+        libraries.remove()
         for p in reversed(ALL):
             p.remove()
         compilers.sync()
@@ -33,4 +35,4 @@ def remove() -> None:
 
 def installed() -> list[str]:
     """Labels of the wrappers in place."""
-    return [p.label for p in ALL if p.installed]
+    return [p.label for p in ALL if p.installed] + libraries.installed()

@@ -17,7 +17,7 @@ import torch
 
 from .core import leave_theirs
 
-__all__ = ["AttrHandle", "ForwardHandle", "HookHandle", "TensorHandle", "add_hook", "set_attr", "swap_tensor", "wrap_forward"]
+__all__ = ["AttrHandle", "ForwardHandle", "HookHandle", "TensorHandle", "add_hook", "place", "set_attr", "swap_tensor", "wrap_forward"]
 
 _MISSING = object()
 
@@ -251,6 +251,48 @@ def wrap_forward(
         handle = ForwardHandle(module, name, make, reset, on_context, created_registry=created, had_forward=had_forward)
     handle.installed = vars(module).get("forward")
     return handle
+
+
+def place(handle: ForwardHandle, theirs: Callable[[str], bool], *, outside: bool) -> bool:
+    """Put ``handle``'s hook ``outside`` (or inside) every hook of its module's diffusers ``HookRegistry`` that
+    ``theirs`` names (diffusers' context-parallel hooks, ``cp_input---...``), where it is not already. Returns whether
+    it moved anything.
+
+    The registry can only be unstacked from the top without breaking a hook that calls what lies beneath it
+    (its ``remove_hook`` rewires the hook above a removed one by overwriting its ``forward``): the hooks from the
+    lowest one out of place up are removed top down and registered again, ours among them, in the order wanted;
+    the others keep their order and their own hook objects.
+
+    Raises:
+        RuntimeError: a hook of neither kind lies among those that would move (another library's), so moving them
+            could change what it does.
+    """
+    module, name = handle.module, handle.name
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is None or handle.attr is not None or not handle.active or name not in registry.hooks:
+        return False
+    order = list(registry._hook_order)  # innermost first
+    mine = order.index(name)
+    wrong = [i for i, n in enumerate(order) if theirs(n) and (i > mine if outside else i < mine)]
+    if not wrong:
+        return False
+    low = min(mine, *wrong)
+    moving = order[low:]
+    strangers = [n for n in moving if n != name and not theirs(n)]
+    if strangers:
+        raise RuntimeError(
+            f"torchfix: cannot move its hook {name!r} on {type(module).__name__} past diffusers' {order[wrong[0]]!r}: "
+            f"other hooks lie between ({', '.join(strangers)}); apply torchfix before them."
+        )
+    hooks = {n: registry.hooks[n] for n in moving}
+    for n in reversed(moving):  # top down: each is the outermost when it goes
+        registry.remove_hook(n, recurse=False)
+    others = [n for n in moving if n != name]
+    for n in ([*others, name] if outside else [name, *others]):
+        registry.register_hook(hooks[n], n)
+        if n == name:
+            handle.installed = vars(module).get("forward")
+    return True
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""Bugs in the libraries around the denoiser (not in a torch op), keyed on the library's version and the machine — as
+data, like :mod:`torchfix.guards.known_issues`. Each row says where the bug is, which versions have it, when it is in
+force here, where the range comes from, and what torchfix does about it (the patch lives in
+:mod:`torchfix.patches.libraries`). Pure: nothing here imports the library or patches it.
+
+>>> [row.issue for row in ROWS]
+['torchfix: diffusers context parallelism on a CPU build']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .known_issues import _in_range, _span, parse_version
+
+__all__ = ["ROWS", "LibraryIssue", "cpu_build", "explain"]
+
+
+def cpu_build() -> bool:
+    """Whether torch sees no accelerator (a CPU build, or none attached): ``torch.accelerator.device_count()`` is 0.
+
+    >>> isinstance(cpu_build(), bool)
+    True
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator is not None and accelerator.device_count() == 0
+
+
+@dataclass(frozen=True)
+class LibraryIssue:
+    """One bug in a library torchfix works around.
+
+    Args:
+        library: the distribution (``"diffusers"``).
+        where: the attribute that has it (``module:Class.method``), which torchfix's patch wraps.
+        issue: reference (upstream issue, or ``torchfix: ...`` where found here and not reported upstream).
+        description: what goes wrong, in a sentence.
+        fix: what torchfix does instead, in a sentence.
+        basis: where the version range comes from, and which bound is an estimate.
+        version_min, version_max: affected versions, half-open (``None``: any before / not fixed yet).
+        condition: when it is in force on this machine (beyond the version), and its name.
+    """
+
+    library: str
+    where: str
+    issue: str
+    description: str
+    fix: str
+    basis: str
+    version_min: str | None = None
+    version_max: str | None = None
+    condition: Callable[[], bool] = lambda: True
+    condition_name: str = "always"
+
+    @property
+    def versions(self) -> str:
+        return _span(self.version_min, self.version_max, self.library)
+
+
+def explain(row: LibraryIssue, version: str | None) -> tuple[bool, str]:
+    """Whether ``row`` is in force with the library at ``version`` (``None``: not installed) on this machine, and why.
+
+    >>> explain(ROWS[0], None)
+    (False, 'diffusers is not installed')
+    """
+    if version is None:
+        return False, f"{row.library} is not installed"
+    if not _in_range(parse_version(version, f"{row.library} version"), row.version_min, row.version_max):
+        return False, f"{row.library} {version} is not in {row.versions}"
+    if not row.condition():
+        return False, f"{row.library} {version} in {row.versions}, but not {row.condition_name} here"
+    return True, f"{row.library} {version} in {row.versions}; {row.condition_name}"
+
+
+ROWS: tuple[LibraryIssue, ...] = (
+    LibraryIssue(
+        library="diffusers",
+        where="diffusers.models.modeling_utils:ModelMixin._resolve_parallel_config",
+        issue="torchfix: diffusers context parallelism on a CPU build",
+        description=(
+            "enable_parallelism / from_pretrained(parallel_config=...) pick each rank's device as "
+            "rank % torch.accelerator.device_count(), which is 0 without an accelerator: ZeroDivisionError, so context "
+            "parallelism cannot run on gloo CPU ranks at all"
+        ),
+        fix=(
+            "where torch sees no accelerator, the same resolution with the CPU as every rank's device (the mesh on the "
+            "CPU, gloo); with an accelerator diffusers' own code runs untouched"
+        ),
+        basis=(
+            "found here with diffusers 0.42.1 and torch 2.13 (CPU wheel), 2026-11; no upstream report found in the "
+            "stored issues. ESTIMATE: the lower bound is 0.36.0, the first release with enable_parallelism; not fixed in 0.42.1"
+        ),
+        version_min="0.36.0",
+        condition=cpu_build,
+        condition_name="torch sees no accelerator",
+    ),
+)
