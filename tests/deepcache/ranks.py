@@ -106,6 +106,24 @@ def family_run(model: torch.nn.Module, family: str, config: Any = None, still: b
     return {"latents": x.clone(), "decisions": decisions}
 
 
+WAN22 = dict(prompt="a cat", negative_prompt="a dog", num_inference_steps=STEPS, height=16, width=16, num_frames=5, guidance_scale=5.0)
+
+
+def wan22_run(pipe: Any, config: Any = None) -> dict[str, Any]:
+    """A tiny Wan 2.2 pipeline call (two experts on one scheduler, classifier-free guidance) through ``torchfix.wrap``
+    with DeepCache ``config``: the final latents and each expert's decisions."""
+    import torchfix
+
+    target = torchfix.wrap(pipe, deepcache=config)
+    seen = [Decisions(pipe.transformer), Decisions(pipe.transformer_2)]
+    try:
+        out = target(**WAN22, max_sequence_length=16, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    finally:
+        decisions = [s.text() for s in seen]
+        target.unwrap()
+    return {"latents": out.clone(), "decisions": " | ".join(decisions)}
+
+
 def parallelise(model: torch.nn.Module) -> torch.nn.Module:
     from diffusers import ContextParallelConfig
 
@@ -175,6 +193,16 @@ def context_parallel_families(rank: int) -> dict[str, Any]:
     return out
 
 
+def context_parallel_wan22(rank: int) -> dict[str, Any]:
+    """Wan 2.2's two experts, each parallelised (a mesh each), each with its own cache on the one scheduler."""
+    from torchfix.testing import tiny_wan22_pipeline
+
+    pipe = tiny_wan22_pipeline()
+    parallelise(pipe.transformer)
+    parallelise(pipe.transformer_2)
+    return {"plain": wan22_run(pipe)["latents"], **{m: wan22_run(pipe, modes()[m]) for m in ("default", "threshold")}}
+
+
 def applied_before(rank: int) -> dict[str, Any]:
     """DeepCache applied to a bare model *before* enable_parallelism: the first call is refused (its streams would
     be the shard's), the order is put right, and the next calls cache as one process would."""
@@ -228,6 +256,7 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "data_parallel": data_parallel,
     "context_parallel_pipeline": context_parallel_pipeline,
     "context_parallel_families": context_parallel_families,
+    "context_parallel_wan22": context_parallel_wan22,
     "applied_before": applied_before,
 }
 

@@ -96,6 +96,22 @@ def test_context_parallel_families_take_the_single_process_decisions(ran, family
         assert rel(cp[0][mode]["latents"], ref["latents"]) <= 10 * floor, mode
 
 
+@pytest.mark.parametrize("mode", ["default", "threshold"])
+def test_context_parallel_wan22_experts_take_the_single_process_decisions(ran, mode):
+    """Wan 2.2: two experts, each parallelised on its own mesh, each with its own cache on the one scheduler, with
+    classifier-free guidance (two streams per expert)."""
+    from torchfix.testing import tiny_wan22_pipeline
+
+    cp = [r["context_parallel_wan22"] for r in ran]
+    pipe = tiny_wan22_pipeline()
+    floor = _floor(cp[0]["plain"], ranks.wan22_run(pipe)["latents"])
+    ref = ranks.wan22_run(pipe, ranks.modes()[mode])
+    assert "C" in ref["decisions"]
+    assert cp[0][mode]["decisions"] == cp[1][mode]["decisions"] == ref["decisions"]
+    assert torch.equal(cp[0][mode]["latents"], cp[1][mode]["latents"])
+    assert rel(cp[0][mode]["latents"], ref["latents"]) <= 10 * floor
+
+
 def test_held_still_shard_changes_the_decisions_and_both_ranks_follow(ran):
     """Half the tokens held still (rank 1's shard never moves): the single-process threshold decides otherwise than
     when everything moves, and both ranks decide as it does (each alone would measure its own shard: a hang)."""
