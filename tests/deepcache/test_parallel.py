@@ -51,6 +51,7 @@ def test_data_parallel_is_bit_identical_to_one_process_and_never_communicates(ra
             for mode, config in ranks.modes().items():
                 ref = ranks.pipeline_run(flux_pipe, prompt, config)
                 assert got[mode]["decisions"] == ref["decisions"], (prompt, mode)
+                assert got[mode]["ranks"].startswith("one process (or data parallel")
                 assert torch.equal(got[mode]["latents"], ref["latents"]), (prompt, mode)
 
 
@@ -77,6 +78,8 @@ def test_context_parallel_pipeline_takes_the_single_process_decisions(ran, flux_
     assert cp[0][mode]["decisions"] == cp[1][mode]["decisions"] == ref["decisions"]
     assert torch.equal(cp[0][mode]["latents"], cp[1][mode]["latents"])
     assert rel(cp[0][mode]["latents"], ref["latents"]) <= 10 * floor
+    assert [c[mode]["ranks"] for c in cp] == ["context parallel (ring 1 × Ulysses 2)"] * 2  # stats() says who shares a call
+    assert ref["ranks"].startswith("one process")
 
 
 @pytest.mark.parametrize("family", [*ranks.CP_FAMILIES, "still"])

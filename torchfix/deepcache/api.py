@@ -21,7 +21,7 @@ import torch
 from .. import families
 from .._frames import uncompiled
 from ..errors import UnsupportedModelError
-from . import streams
+from . import engine, streams
 from ._graphs import forget_compiled
 from .blocks import BlockState, TransformerLayout, apply_transformer, check_transformer
 from .config import DeepCacheConfig, corrects, for_family, warms_up
@@ -133,6 +133,7 @@ def _stats_one(state: CacheState) -> dict[str, Any]:
         "forecast": state.config.forecast,
         "threshold": state.config.threshold,
         "warm_up": warms_up(streams.generation_config(state)),
+        "ranks": engine.ranks(state).describe,
     }
     if isinstance(state, BlockState):
         out["streams"] = state.last_streams
@@ -158,6 +159,7 @@ def stats(target: Any) -> dict[str, Any]:
     pipeline call starts); ``family``: the registry entry that drives it; ``in_call_path``: calling the model
     reaches it right now; ``last_call``: full and cached steps of the current (or last) generation, in all and
     per stream; totals since ``apply``; ``reinstalls``: how often another hook had replaced its forward;
+    ``ranks``: who shares each call, whose sums every decision adds (docs/scaling.md);
     ``scoped``: it caches only inside ``torchfix.wrap``'s calls; bytes held; for a transformer the streams, the
     cached blocks (in runs, once the first call has checked them), ``sensitivity`` (the share of an input change
     the cached blocks pass through: as set, or as last measured, ``None`` before the first measurement),

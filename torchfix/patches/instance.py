@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TorchfixError
 from .core import leave_theirs
 
 __all__ = ["AttrHandle", "ForwardHandle", "HookHandle", "TensorHandle", "add_hook", "place", "set_attr", "swap_tensor", "wrap_forward"]
@@ -264,7 +265,7 @@ def place(handle: ForwardHandle, theirs: Callable[[str], bool], *, outside: bool
     the others keep their order and their own hook objects.
 
     Raises:
-        RuntimeError: a hook of neither kind lies among those that would move (another library's), so moving them
+        TorchfixError: a hook of neither kind lies among those that would move (another library's), so moving them
             could change what it does.
     """
     module, name = handle.module, handle.name
@@ -280,7 +281,7 @@ def place(handle: ForwardHandle, theirs: Callable[[str], bool], *, outside: bool
     moving = order[low:]
     strangers = [n for n in moving if n != name and not theirs(n)]
     if strangers:
-        raise RuntimeError(
+        raise TorchfixError(
             f"torchfix: cannot move its hook {name!r} on {type(module).__name__} past diffusers' {order[wrong[0]]!r}: "
             f"other hooks lie between ({', '.join(strangers)}); apply torchfix before them."
         )
