@@ -149,3 +149,25 @@ def test_a_peft_lora_layer_is_a_module_path_and_its_caller_the_site():
     # the site was peft/tuners/lora/layer.py
     assert events and all(e.site.startswith("tests/test_report.py:") for e in events), [e.site for e in events]
     assert [e.module for e in events] == ["base_model.model.proj.base_layer"]  # the LoRA layer stays in the module path
+
+
+def test_the_report_saves_as_json_with_what_the_summary_prints(tmp_path):
+    import json
+
+    r = Report()
+    r.add(FixEvent("F.linear", "dtype", "cast", "a.py:1", "unet.x", "weight cast", change="float32→float16", nbytes=64))
+    r.add(FixEvent("F.linear", "dtype", "cast", "a.py:2", "unet.y", "weight cast", change="float32→float16", nbytes=64))
+    r.add(FixEvent("torch.add", "dtype", "noted", "b.py:9", None, "promoted"))
+    r.add(FixEvent("F.linear", "dtype", "noted", "lib.py:1", "text_encoder.z", "", internal=True))
+    path = tmp_path / "report.json"
+    text = r.to_json(path)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data == json.loads(text) == r.to_dict()
+    assert (data["fixes"], data["notes"], data["internal"], data["events_dropped"]) == (2, 1, 1, 0)
+    assert data["causes"][1] == {
+        "component": "unet", "op": "F.linear", "guard": "dtype", "action": "cast", "change": "float32→float16",
+        "count": 2, "bytes": 128, "sites": 2, "first_site": "a.py:1",
+    }  # fmt: skip
+    assert [e["site"] for e in data["events"]] == ["a.py:1", "a.py:2", "b.py:9", "lib.py:1"]
+    assert data["internal_causes"][0]["component"] == "text_encoder"
+    json.dumps(torchfix.report().to_dict())  # the process report too

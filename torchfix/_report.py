@@ -9,9 +9,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from ._text import align
 from .config import env_max_events
@@ -175,6 +179,47 @@ class Report:
         if self.dropped:
             lines.append(f"({self.dropped} event(s) counted but not kept in .events; raise TORCHFIX_MAX_EVENTS to keep more)")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything :meth:`summary` prints, as plain data (JSON-ready): the totals, one row per component and
+        cause (``causes``; library-internal promotions apart, ``internal_causes``) and the events kept.
+
+        >>> r = Report()
+        >>> r.add(FixEvent("F.linear", "dtype", "cast", "a.py:1", "unet.x", "weight cast", change="float32→float16", nbytes=64))
+        >>> d = r.to_dict()
+        >>> d["fixes"], d["causes"][0]["change"], d["events"][0]["site"]
+        (1, 'float32→float16', 'a.py:1')
+        """
+
+        names = ("component", "op", "guard", "action", "change", "count", "bytes", "sites", "first_site")
+
+        def rows(internal: bool) -> list[dict[str, Any]]:
+            causes = sorted(self.causes(internal).items(), key=lambda kv: (kv[0][0], -kv[1][0], kv[0]))
+            return [dict(zip(names, (*cause, *numbers))) for cause, numbers in causes]
+
+        with self._lock:
+            events = list(self.events)
+            dropped = self.dropped
+        return {
+            "fixes": self.fixes,
+            "notes": self.notes,
+            "internal": sum(self.counts(internal=True).values()),
+            "causes": rows(False),
+            "internal_causes": rows(True),
+            "events": [dataclasses.asdict(e) for e in events],
+            "events_dropped": dropped,
+        }
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as JSON text; written to ``path`` too where one is given (UTF-8).
+
+        >>> Report().to_json(indent=None)[:24]
+        '{"fixes": 0, "notes": 0,'
+        """
+        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
 
     def __repr__(self) -> str:
         return f"<torchfix.Report {len(self)} event(s)>"

@@ -1,8 +1,8 @@
 """The ``torchfix`` command (also ``python -m torchfix``).
 
     torchfix demo                       the five incidents, plain vs torchfix, and DeepCache at 720x960
-    torchfix run [--mode M] SCRIPT [ARGS...]   run an unmodified script with the guards on
-    torchfix run [--mode M] -m MODULE [ARGS...]
+    torchfix run [--mode M] [--report FILE] SCRIPT [ARGS...]   run an unmodified script with the guards on
+    torchfix run [--mode M] [--report FILE] -m MODULE [ARGS...]
     torchfix doctor                     versions, devices, kernels, known issues in force here
     torchfix audit package.module:factory [--backend mps] [--torch-version V]
 
@@ -66,6 +66,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = 1
     finally:
         print(f"\n{torchfix.report().summary(verbose=args.verbose)}", file=sys.stderr)
+        if getattr(args, "report", None):
+            torchfix.report().to_json(args.report)
+            print(f"torchfix: report written to {args.report} (JSON)", file=sys.stderr)
     return code
 
 
@@ -205,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests); the full demo is a few minutes on 2 cores")
     demo.set_defaults(fn=cmd_demo)
     run = sub.add_parser("run", help="run an unmodified script or module with the guards on")
-    run.add_argument("--mode", choices=("fix", "warn", "strict"), default="fix")
+    run.add_argument("--mode", choices=("fix", "warn", "strict"), default="fix", help="fix (the default), warn or strict")
+    run.add_argument("--report", metavar="FILE", help="also write the report as JSON to FILE at exit (torchfix.report().to_json())")
     run.add_argument("--verbose", action="store_true", help="the report per call site, library-internal promotions included")
     run.add_argument("-m", dest="module", help="run a module as a script, like python -m")
     run.add_argument("script", nargs="?", help="the script to run")
@@ -236,7 +240,7 @@ def _env_error() -> str | None:
 def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
     """``run [--mode M] [--verbose] (SCRIPT | -m MODULE) ARGS...``: torchfix's options come before the
     target; everything after the target belongs to it (``run train.py -m resnet`` runs train.py with ``-m resnet``)."""
-    mode, i, verbose = "fix", 0, False
+    mode, i, verbose, report = "fix", 0, False, None
     while i < len(rest) and rest[i].startswith("-") and rest[i] != "-m":
         option = rest[i]
         if option in ("-h", "--help"):
@@ -245,11 +249,16 @@ def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Nam
             mode, i = rest[i + 1], i + 2
         elif option.startswith("--mode="):
             mode, i = option.split("=", 1)[1], i + 1
+        elif option == "--report" and i + 1 < len(rest):
+            report, i = rest[i + 1], i + 2
+        elif option.startswith("--report="):
+            report, i = option.split("=", 1)[1], i + 1
         elif option == "--verbose":
             verbose, i = True, i + 1
         else:
             parser.error(
-                f"run: unknown option {option!r} before the script; torchfix run takes --mode and --verbose, then SCRIPT or -m MODULE"
+                f"run: unknown option {option!r} before the script; "
+                "torchfix run takes --mode, --report and --verbose, then SCRIPT or -m MODULE"
             )
     if mode not in ("fix", "warn", "strict"):
         parser.error(f"run: --mode {mode!r} is not valid; use fix, warn or strict")
@@ -260,7 +269,9 @@ def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Nam
         module, i = rest[i + 1], i + 2
     elif i < len(rest):
         script, i = rest[i], i + 1
-    return argparse.Namespace(fn=cmd_run, command="run", mode=mode, verbose=verbose, module=module, script=script, args=rest[i:])
+    return argparse.Namespace(
+        fn=cmd_run, command="run", mode=mode, verbose=verbose, report=report, module=module, script=script, args=rest[i:]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -164,3 +164,17 @@ def test_demo_quick_fixes_every_incident():
     for needle in ("mat1 and mat2 shapes cannot be multiplied", "expected m1 and m2 to have the same dtype", "ModelMismatchError",
                    "DeviceMismatchError", "Sizes of tensors must match", "GFLOP", "median of 3", "allows at most 2.00x"):  # fmt: skip
         assert needle in r.stdout, needle
+
+
+def test_run_writes_the_report_as_json(tmp_path):
+    import json
+
+    script = tmp_path / "crash.py"
+    script.write_text(MIXED)
+    out = tmp_path / "report.json"
+    r = torchfix("run", "--report", str(out), str(script))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["fixes"] >= 1 and any(c["op"] == "F.linear" and c["action"] == "cast" for c in data["causes"])
+    assert any(e["site"].endswith("crash.py:5") for e in data["events"])
+    assert f"report written to {out}" in r.stderr
