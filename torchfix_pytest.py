@@ -3,6 +3,8 @@
     pytest --torchfix=fix      guards on for the whole session; fixes are listed at the end
     pytest --torchfix=warn     the same, each fix also a TorchfixWarning (once per site)
     pytest --torchfix=strict   every would-be fix raises, failing the test that hit it, naming the site
+    pytest --torchfix=off      guards off for the whole session, also where a test imports torchfix (or
+                               torchfix.testing, whose import would switch them on): plain torch, plain errors
 
 A top-level module (not ``torchfix.pytest_plugin``) so that pytest loading it
 does not import torchfix, which would switch the guards on by ``TORCHFIX_MODE``
@@ -11,11 +13,15 @@ in sessions that did not ask for it.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
 
-_MODES = ("fix", "warn", "strict")
+_MODES = ("fix", "warn", "strict", "off")
+_ENV = "TORCHFIX_MODE"
+_saved: list[str | None] = []  # TORCHFIX_MODE before an --torchfix=off session set it
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,15 +30,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--torchfix",
         choices=_MODES,
         default=None,
-        help="run the session with torchfix's guards on: fix, warn, or strict (every would-be fix fails its test)",
+        help="run the session with torchfix's guards on: fix, warn, or strict (every would-be fix fails its test); "
+        "off: guards off for the session even where a test imports torchfix",
     )
 
 
-def _mode(config: pytest.Config) -> str | None:
+def _option(config: pytest.Config) -> str | None:
     return config.getoption("torchfix", default=None)
 
 
+def _mode(config: pytest.Config) -> str | None:
+    """The guarded mode of the session (``None``: the plugin reports nothing: no option, or ``off``)."""
+    mode = _option(config)
+    return None if mode == "off" else mode
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if _option(config) == "off":  # an import of torchfix later in the session enables nothing
+        _saved.append(os.environ.get(_ENV))
+        os.environ[_ENV] = "off"
+        if "torchfix" in sys.modules:
+            sys.modules["torchfix"].disable()
+        return
     mode = _mode(config)
     if mode is None:
         return
@@ -44,6 +63,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if _option(config) == "off" and _saved:
+        previous = _saved.pop()
+        if previous is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = previous
+        return
     if _mode(config) is None:
         return
     import torchfix

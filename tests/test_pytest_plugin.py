@@ -50,3 +50,27 @@ def test_warn_mode_warns(suite):
     result = suite.runpytest_subprocess("-q", "--torchfix=warn")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*TorchfixWarning*"])
+
+
+TESTING_IMPORT = """
+import pytest
+import torch
+import torchfix.testing  # imports torchfix, whose import switches the guards on
+
+
+def test_torch_rejects_a_mixed_dtype_linear():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(torch.randn(2, 8))
+"""
+
+
+def test_off_keeps_the_guards_off_even_where_a_test_imports_torchfix(pytester, monkeypatch):
+    monkeypatch.delenv("TORCHFIX_MODE", raising=False)
+    pytester.makepyfile(test_plain=TESTING_IMPORT)
+    guarded = pytester.runpytest_subprocess("-q")
+    guarded.assert_outcomes(failed=1)  # the import's side effect (#40): the call was fixed, nothing raised
+    guarded.stdout.fnmatch_lines(["*DID NOT RAISE*"])
+    off = pytester.runpytest_subprocess("-q", "--torchfix=off")
+    off.assert_outcomes(passed=1)
+    assert "torchfix (" not in off.stdout.str()
