@@ -308,3 +308,29 @@ def test_a_device_this_machine_lacks_is_refused_at_wrap():
 
 def test_sdxl_isinstance():
     assert isinstance(torchfix.wrap(tiny_sdxl_pipeline()), StableDiffusionXLPipeline)
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        ({"height": 0}, "height=0"),
+        ({"width": -64}, "width=-64"),
+        ({"num_inference_steps": 0}, "num_inference_steps=0"),
+        ({"num_inference_steps": -1}, "num_inference_steps=-1"),
+        ({"num_images_per_prompt": 0}, "num_images_per_prompt=0"),
+    ],
+)
+def test_arguments_that_cannot_make_a_picture_are_refused_before_step_0(bad, named):
+    """diffusers 0.42.1 runs height=0 silently, runs num_inference_steps=-1 without denoising and divides by zero
+    in DDIM at 0: wrap() refuses each before the denoiser runs, naming the argument."""
+    pipe = tiny_sd15_pipeline()
+    calls = []
+    pipe.unet.register_forward_pre_hook(lambda *a: calls.append(1))
+    w = torchfix.wrap(pipe)
+    kwargs = {"num_inference_steps": 4, "height": 64, "width": 64, "output_type": "latent", **bad}
+    with pytest.raises(torchfix.InvalidCallError, match=named) as caught:
+        w("a cat", **kwargs)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, torchfix.TorchfixError)
+    assert calls == []
+    w("a cat", num_inference_steps=2, height=64, width=64, output_type="latent")  # a good call still runs
+    assert calls

@@ -20,6 +20,7 @@ from .deepcache import DeepCacheConfig
 from .errors import (
     DeviceMismatchError,
     DtypeMismatchError,
+    InvalidCallError,
     LayoutError,
     ModelMismatchError,
     NonFiniteError,
@@ -40,6 +41,7 @@ __all__ = [
     "DeviceMismatchError",
     "DtypeMismatchError",
     "FixEvent",
+    "InvalidCallError",
     "KnownIssue",
     "LayoutError",
     "ModelMismatchError",

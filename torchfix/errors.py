@@ -14,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "DeviceMismatchError",
     "DtypeMismatchError",
+    "InvalidCallError",
     "LayoutError",
     "ModelMismatchError",
     "NonFiniteError",
@@ -46,6 +47,11 @@ class ModelMismatchError(TorchfixError):
 
 class NonFiniteError(TorchfixError):
     """A reduced-precision component (a VAE decode in fp16) turned finite input into NaN/inf (``strict`` mode)."""
+
+
+class InvalidCallError(TorchfixError, ValueError):
+    """A pipeline call's arguments that cannot make a picture (a height of 0, no inference steps), refused before
+    step 0, naming the argument and what it must be. Also a ``ValueError``, as diffusers' own argument errors are."""
 
 
 class UnsupportedModelError(TorchfixError, ValueError):

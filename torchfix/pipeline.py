@@ -34,7 +34,15 @@ from .deepcache import check as deepcache_check
 from .deepcache.api import DENOISERS
 from .deepcache.streams import scoped as deepcache_scope
 from .devices import canonical, unusable_reason
-from .errors import DeviceMismatchError, DtypeMismatchError, ModelMismatchError, NonFiniteError, TorchfixWarning, UnsupportedModelError
+from .errors import (
+    DeviceMismatchError,
+    DtypeMismatchError,
+    InvalidCallError,
+    ModelMismatchError,
+    NonFiniteError,
+    TorchfixWarning,
+    UnsupportedModelError,
+)
 from .families.entries import LIKELY
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
@@ -169,6 +177,37 @@ def _cast_handover(value: Any, receiver: torch.dtype | None, seen: list[torch.Te
     if isinstance(value, (tuple, list)):
         return type(value)(_cast_handover(v, receiver, seen) for v in value)
     return value
+
+
+_POSITIVE = {
+    "height": "a multiple of the VAE's scale (e.g. 512)",
+    "width": "a multiple of the VAE's scale (e.g. 512)",
+    "num_frames": "a frame count the video pipeline takes (e.g. 49)",
+    "num_images_per_prompt": "1 or more",
+}
+
+
+def _check_arguments(pipeline: str, kwargs: dict[str, Any]) -> None:
+    """Arguments no pipeline can make a picture from, refused before step 0 (diffusers 0.42.1 runs ``height=0``
+    silently, runs ``num_inference_steps=-1`` without denoising, and divides by zero in DDIM at 0).
+
+    Raises:
+        InvalidCallError: a size, frame or image count below 1, or fewer than 1 inference step where no
+            ``timesteps``/``sigmas`` list sets them; the message names the argument, its value and what it must be.
+
+    >>> _check_arguments("StableDiffusionPipeline", {"height": 512, "num_inference_steps": 20})
+    """
+    for name, example in _POSITIVE.items():
+        value = kwargs.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise InvalidCallError(f"torchfix: {pipeline}({name}={value}): {name} must be at least 1, {example}.")
+    steps = kwargs.get("num_inference_steps")
+    given = any(kwargs.get(k) is not None for k in ("timesteps", "sigmas"))
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps < 1 and not given:
+        raise InvalidCallError(
+            f"torchfix: {pipeline}(num_inference_steps={steps}): at least 1 step is needed to denoise anything "
+            "(e.g. 20-50; or pass a timesteps=/sigmas= list)."
+        )
 
 
 def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
@@ -401,6 +440,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently), and a height or
         width that an SD3/Flux ControlNet pipeline cannot cut into patches."""
         pipe = self.__wrapped__
+        _check_arguments(type(pipe).__name__, kwargs)
         resolution = _resolution_error(pipe, kwargs)
         if resolution is not None:
             raise ValueError(resolution)
