@@ -491,6 +491,12 @@ def _sensitivity(state: BlockState, stream: engine.Stream, run: int, part: int) 
     return fixed if fixed is not None else stream.sensitivity.get((run, part))
 
 
+def _like(kept: Any, current: torch.Tensor) -> Any:
+    """What a full step kept, in the dtype of what it is added to now (the same tensor where they agree: within one
+    pipeline call the latents' dtype may change after step 0, the blocks' own dtype does not)."""
+    return kept if not isinstance(kept, torch.Tensor) or kept.dtype == current.dtype else kept.to(current.dtype)
+
+
 def _as(s: Any, like: torch.Tensor) -> Any:
     """A measured sensitivity (per sample) in the dtype of what it scales: the result keeps the model's dtype."""
     return s.to(like.dtype) if isinstance(s, torch.Tensor) else s
@@ -509,8 +515,8 @@ def _cached(state: BlockState, r: int, run: Run, now: tuple[torch.Tensor, ...]) 
     k = len(run.streams)
     out = []
     for part, current in enumerate(now):
-        residual = value[part]
-        predicted = value[k + part] if len(value) > k else None
+        residual = _like(value[part], current)
+        predicted = _like(value[k + part], current) if len(value) > k else None
         s = _sensitivity(state, stream, r, part)
         if part == run.image and r == 0:
             state.used = 1.0 if _is_one(s) or predicted is None else s

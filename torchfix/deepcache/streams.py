@@ -86,6 +86,13 @@ def signature_of(latents: Any) -> tuple:
     return (type(latents).__name__,)
 
 
+def _sizes(signature: tuple | None) -> Any:
+    """A :func:`signature_of` without the dtypes: shapes and devices."""
+    if signature is None or len(signature) != 3 or not isinstance(signature[1], torch.dtype):
+        return None if signature is None else tuple(_sizes(s) if isinstance(s, tuple) else s for s in signature)
+    return (signature[0], signature[2])
+
+
 def stream_key(context: str | None, prompt: Any) -> tuple[str | None, Any]:
     """A stream's key: the ``cache_context`` name the pipeline set for this call (diffusers' "cond", "uncond",
     "uncond_stg", ...: passes that share a prompt stay apart), and the prompt object (a list of prompt tensors
@@ -109,11 +116,18 @@ def enter(state: Any, latents: Any, prompt: Any, new_stream: type[S], context: s
     (:func:`clock`): Wan 2.2's second expert starts mid-generation."""
     signature = signature_of(latents)
     key = stream_key(context, prompt)
-    if state.pending_new_call or signature != state.signature or (key not in state.streams and len(state.streams) >= MAX_STREAMS):
+    # Within a pipeline call (its scheduler marks each new one) latents whose dtype alone changed are the same
+    # generation: SD3 with an fp32 T5 hands a bf16 transformer fp32 latents at step 0 and bf16 ones after.
+    same_call = state.scheduler is not None and bool(state.streams) and _sizes(signature) == _sizes(state.signature)
+    if (
+        state.pending_new_call
+        or (signature != state.signature and not same_call)
+        or (key not in state.streams and len(state.streams) >= MAX_STREAMS)
+    ):
         state.reset()
         state.pending_new_call = False
-        state.signature = signature
         state.generations += 1
+    state.signature = signature
     stream = state.streams.get(key)
     if stream is None or not _same_prompt(stream.prompt, prompt):  # the id of a prompt that is gone may be reused
         stream = state.streams[key] = new_stream(prompt)
