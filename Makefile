@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/deepcache.py
 	$(BIN)/python benchmarks/transformer_cache.py
 	$(BIN)/python benchmarks/kernels.py
+	$(BIN)/python benchmarks/scaling.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

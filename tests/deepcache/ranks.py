@@ -122,7 +122,7 @@ def wan22_run(pipe: Any, config: Any = None) -> dict[str, Any]:
     finally:
         decisions = [s.text() for s in seen]
         target.unwrap()
-    return {"latents": out.clone(), "decisions": " | ".join(decisions)}
+    return {"latents": out.clone(), "decisions": " / ".join(decisions)}
 
 
 def parallelise(model: torch.nn.Module) -> torch.nn.Module:
