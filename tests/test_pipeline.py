@@ -334,3 +334,28 @@ def test_arguments_that_cannot_make_a_picture_are_refused_before_step_0(bad, nam
     assert calls == []
     w("a cat", num_inference_steps=2, height=64, width=64, output_type="latent")  # a good call still runs
     assert calls
+
+
+def test_calls_from_several_threads_run_in_turn_and_each_returns_what_a_lone_call_returns():
+    """One wrapped pipeline with DeepCache called from 3 threads at once: before, 6 of 6 outputs differed from
+    serial runs (the calls shared the scheduler, the cache's streams and the hooks); now they take turns."""
+    import threading
+
+    pipe = tiny_sd15_pipeline()
+    w = torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3))
+    jobs = [("a cat", 0), ("a dog", 1), ("a bird", 2)]
+    serial = [latents(w, p, steps=6, seed=seed) for p, seed in jobs]
+    got: dict[int, torch.Tensor] = {}
+    start = threading.Barrier(len(jobs))
+
+    def run_one(i: int) -> None:
+        start.wait()
+        got[i] = latents(w, jobs[i][0], steps=6, seed=jobs[i][1])
+
+    threads = [threading.Thread(target=run_one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(torch.equal(got[i], serial[i]) for i in range(len(jobs)))
+    assert torchfix.deepcache.stats(pipe)["generations"] == 2 * len(jobs)

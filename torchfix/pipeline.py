@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -177,6 +179,22 @@ def _cast_handover(value: Any, receiver: torch.dtype | None, seen: list[torch.Te
     if isinstance(value, (tuple, list)):
         return type(value)(_cast_handover(v, receiver, seen) for v in value)
     return value
+
+
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _call_lock(pipe: Any) -> threading.RLock:
+    """The one lock of ``pipe`` (shared by every wrapper of it; re-entrant: a callback may call it again)."""
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(pipe)
+            if lock is None:
+                lock = _LOCKS[pipe] = threading.RLock()
+        except TypeError:  # not hashable or not weakly referable: its own attribute
+            lock = vars(pipe).setdefault("_torchfix_call_lock", threading.RLock())
+        return lock
 
 
 _POSITIVE = {
@@ -498,6 +516,13 @@ class PipelineProxy(wrapt.ObjectProxy):
         raise error(f"torchfix preflight of {type(self.__wrapped__).__name__} found:\n{text}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the pipeline: preflight, guards, DeepCache. Calls of one pipeline from several threads run one at a
+        time, in the order they get its lock (a pipeline holds one scheduler, one DeepCache state and one set of
+        hooks: run at once, the calls would mix them; run in turn, each returns what a lone call returns)."""
+        with _call_lock(self.__wrapped__):
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         mode = self._mode()
         if mode == "off":  # straight through: no preflight, no guards (a DeepCache the caller asked for still runs)
             self._sync_deepcache()
