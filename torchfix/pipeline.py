@@ -454,7 +454,8 @@ class PipelineProxy(wrapt.ObjectProxy):
     # --- calls -----------------------------------------------------------------------------
 
     def _check_call(self, kwargs: dict[str, Any]) -> None:
-        """Precomputed embeddings of another model are refused before anything runs, naming both widths; so is a
+        """Arguments that cannot make a picture (sizes or steps below 1) and precomputed embeddings of another model
+        are refused before anything runs, naming the argument or both widths; so is a
         T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently), and a height or
         width that an SD3/Flux ControlNet pipeline cannot cut into patches."""
         pipe = self.__wrapped__
