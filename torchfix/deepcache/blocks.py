@@ -491,14 +491,9 @@ def _sensitivity(state: BlockState, stream: engine.Stream, run: int, part: int) 
     return fixed if fixed is not None else stream.sensitivity.get((run, part))
 
 
-def _like(kept: Any, current: torch.Tensor) -> Any:
-    """What a full step kept, in the dtype of what it is added to now (the same tensor where they agree: within one
-    pipeline call the latents' dtype may change after step 0, the blocks' own dtype does not)."""
-    return kept if not isinstance(kept, torch.Tensor) or kept.dtype == current.dtype else kept.to(current.dtype)
-
-
 def _as(s: Any, like: torch.Tensor) -> Any:
-    """A measured sensitivity (per sample) in the dtype of what it scales: the result keeps the model's dtype."""
+    """A measured sensitivity (per sample), or what a full step kept, in the dtype of what it meets now (the very tensor
+    where they agree): the result keeps the model's dtype, also where the latents' dtype changed after step 0."""
     return s.to(like.dtype) if isinstance(s, torch.Tensor) else s
 
 
@@ -515,8 +510,8 @@ def _cached(state: BlockState, r: int, run: Run, now: tuple[torch.Tensor, ...]) 
     k = len(run.streams)
     out = []
     for part, current in enumerate(now):
-        residual = _like(value[part], current)
-        predicted = _like(value[k + part], current) if len(value) > k else None
+        residual = _as(value[part], current)
+        predicted = _as(value[k + part], current) if len(value) > k else None
         s = _sensitivity(state, stream, r, part)
         if part == run.image and r == 0:
             state.used = 1.0 if _is_one(s) or predicted is None else s
@@ -681,15 +676,11 @@ def _verify_call(state: BlockState, model: Any, original: Any, args: tuple, kwar
             with watch:
                 output = original(*args, **kwargs)
         chain = _finish(state, model, output)
+        if watch is not None and watch.collectives:
+            _shared_unseen(state, model, watch.collectives)
     except BaseException:
         state.mode, state.pending, state.recorder = "off", {}, None
         raise
-    if watch is not None and watch.collectives:
-        try:
-            _shared_unseen(state, model, watch.collectives)
-        except UnsupportedModelError:
-            state.mode, state.pending, state.recorder = "off", {}, None
-            raise
     state.recorder = None
     if chain.revise is not None and state.config.revise is True:
         raise ValueError(f"torchfix.deepcache: revise=True, but {type(model).__name__}: {chain.revise}; leave revise=None.")

@@ -86,11 +86,11 @@ def signature_of(latents: Any) -> tuple:
     return (type(latents).__name__,)
 
 
-def _sizes(signature: tuple | None) -> Any:
+def _sizes(signature: Any) -> Any:
     """A :func:`signature_of` without the dtypes: shapes and devices."""
-    if signature is None or len(signature) != 3 or not isinstance(signature[1], torch.dtype):
-        return None if signature is None else tuple(_sizes(s) if isinstance(s, tuple) else s for s in signature)
-    return (signature[0], signature[2])
+    if isinstance(signature, tuple) and len(signature) == 3 and isinstance(signature[1], torch.dtype):
+        return (signature[0], signature[2])
+    return tuple(_sizes(s) for s in signature) if isinstance(signature, tuple) else signature
 
 
 def stream_key(context: str | None, prompt: Any) -> tuple[str | None, Any]:
