@@ -20,12 +20,15 @@ from .deepcache import DeepCacheConfig
 from .errors import (
     DeviceMismatchError,
     DtypeMismatchError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidCallError,
     LayoutError,
     ModelMismatchError,
     NonFiniteError,
     TorchfixError,
     TorchfixWarning,
+    UnknownNameError,
     UnsupportedModelError,
 )
 from .guards.known_issues import KnownIssue
@@ -41,6 +44,8 @@ __all__ = [
     "DeviceMismatchError",
     "DtypeMismatchError",
     "FixEvent",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidCallError",
     "KnownIssue",
     "LayoutError",
@@ -52,6 +57,7 @@ __all__ = [
     "Status",
     "TorchfixError",
     "TorchfixWarning",
+    "UnknownNameError",
     "UnsupportedModelError",
     "__version__",
     "add_known_issue",

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import _frames
+from .errors import InvalidArgumentTypeError
 from .guards import dtype as dtype_guard
 
 __all__ = ["KEEP", "OWNED", "Mark", "is_kept", "is_owned", "keep_dtype", "kept_parameters", "mark_model", "unmark"]
@@ -59,7 +60,7 @@ def keep_dtype(module: torch.nn.Module) -> torch.nn.Module:
     >>> norm = torchfix.keep_dtype(torch.nn.LayerNorm(4))
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"torchfix.keep_dtype takes an nn.Module, not {type(module).__name__}.")
+        raise InvalidArgumentTypeError(f"torchfix.keep_dtype takes an nn.Module, not {type(module).__name__}.")
     _kept_modules.add(module)
     for t in (*module.parameters(), *module.buffers()):
         setattr(t, KEEP, "module")

@@ -46,7 +46,7 @@ import torch
 from . import devices
 from ._state import enabled
 from ._text import align
-from .errors import TorchfixError
+from .errors import InvalidArgumentError, InvalidArgumentTypeError, TorchfixError
 from .guards import known_issues as ki
 
 __all__ = ["AuditError", "AuditFinding", "AuditReport", "audit"]
@@ -378,23 +378,23 @@ def _ir_findings(module: Any, ir: Any, table: dict[str, _Node]) -> list[AuditFin
 
 def _check_arguments(model: Any, backend: str | None, torch_version: str | None, os_version: str | None) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"torchfix.audit: model must be a torch.nn.Module (it is exported with torch.export), got "
             f"{type(model).__name__}; put the function in a Module's forward to audit it."
         )
     backends = sorted({e.device_type for e in ki.entries()} | {"cpu"})
     if backend is not None and backend not in backends:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.audit: backend={backend!r} is not a device type with known-issue rows; allowed: {', '.join(map(repr, backends))}, "
             "or None to check none."
         )
     for name, value in (("torch_version", torch_version), ("os_version", os_version)):
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"torchfix.audit: {name} must be a version string such as '2.13.0', got {type(value).__name__}.")
+            raise InvalidArgumentTypeError(f"torchfix.audit: {name} must be a version string such as '2.13.0', got {type(value).__name__}.")
         try:
             ki.parse_version(value, name)
         except ValueError as exc:
-            raise ValueError(f"torchfix.audit: {str(exc).removeprefix('torchfix: ')}") from None
+            raise InvalidArgumentError(f"torchfix.audit: {str(exc).removeprefix('torchfix: ')}") from None
 
 
 @contextlib.contextmanager

@@ -22,6 +22,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from .errors import InvalidArgumentError
+
 __all__ = ["build_parser", "main"]
 
 _PACKAGES = ("torch", "diffusers", "transformers", "triton", "torch-mlir", "wrapt", "accelerate")
@@ -138,13 +140,13 @@ def _foreign_torchfix() -> list[tuple[str, str]]:
 def _load_factory(target: str):
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"torchfix audit: TARGET must look like package.module:factory, not {target!r}")
+        raise InvalidArgumentError(f"torchfix audit: TARGET must look like package.module:factory, not {target!r}")
     sys.path.insert(0, os.getcwd())
     module = importlib.import_module(module_name)
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"torchfix audit: {module_name} has no attribute {attr!r}") from None
+        raise InvalidArgumentError(f"torchfix audit: {module_name} has no attribute {attr!r}") from None
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

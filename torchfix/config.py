@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._text import dtype_name
+from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
 __all__ = ["DEVICE_POLICIES", "GUARDS", "MODES", "Settings", "env_max_events", "env_mode", "installed_version"]
 
@@ -53,18 +54,21 @@ _DTYPE_NAMES = {
 
 def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"torchfix: {what}={value!r} is not valid; use one of {', '.join(map(repr, choices))}.")
+        raise InvalidArgumentError(f"torchfix: {what}={value!r} is not valid; use one of {', '.join(map(repr, choices))}.")
     return value
 
 
 def _parse_dtype(value: object) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise ValueError(f"torchfix: dtype={value} is not a floating dtype; use torch.float16, torch.bfloat16 or torch.float32.")
+            raise InvalidArgumentError(
+                f"torchfix: dtype={value} is not a floating dtype; use "
+                f"torch.float16, torch.bfloat16 or torch.float32."
+            )
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.removeprefix("torch.")]
-    raise TypeError(
+    raise InvalidArgumentTypeError(
         f"torchfix: dtype={value!r} is not a torch floating dtype; pass e.g. torch.bfloat16 (or None for the automatic policy)."
     )
 
@@ -98,7 +102,7 @@ class Settings:
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
         if self.kernels is not None and not isinstance(self.kernels, bool):
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 f"torchfix: kernels={self.kernels!r} must be True, False or None (route only where a hardware run is recorded)."
             )
         _check_choice("device_policy", self.device_policy, DEVICE_POLICIES)
@@ -108,15 +112,15 @@ class Settings:
         try:
             guards = frozenset(guards)
         except TypeError:
-            raise TypeError(
+            raise InvalidArgumentTypeError(
                 f"torchfix: guards={self.guards!r} is not valid; pass a name or a tuple of names from {GUARDS}, "
                 f"e.g. guards=('dtype', 'device')."
             ) from None
         unknown = sorted(map(str, (g for g in guards if g not in GUARDS)))
         if unknown:
-            raise ValueError(f"torchfix: guards={self.guards!r} names unknown guard(s) {unknown}; choose from {GUARDS}.")
+            raise InvalidArgumentError(f"torchfix: guards={self.guards!r} names unknown guard(s) {unknown}; choose from {GUARDS}.")
         if not guards and self.mode != "off":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"torchfix: guards={self.guards!r} switches every guard off with mode={self.mode!r}; "
                 "name at least one of 'dtype', 'device', 'stride', or use mode='off' / torchfix.disable()."
             )
@@ -148,7 +152,7 @@ def env_mode() -> str:
     """The mode named by ``TORCHFIX_MODE`` (default ``fix``), validated."""
     value = os.environ.get("TORCHFIX_MODE", "fix").strip().lower() or "fix"
     if value not in MODES:
-        raise ValueError(f"torchfix: TORCHFIX_MODE={value!r} is not valid; use one of {', '.join(MODES)}.")
+        raise InvalidArgumentError(f"torchfix: TORCHFIX_MODE={value!r} is not valid; use one of {', '.join(MODES)}.")
     return value
 
 
@@ -160,7 +164,7 @@ def env_max_events(default: int = 10_000) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"torchfix: TORCHFIX_MAX_EVENTS={raw!r} must be an integer.") from None
+        raise InvalidArgumentError(f"torchfix: TORCHFIX_MAX_EVENTS={raw!r} must be an integer.") from None
     return max(value, 0)
 
 
@@ -180,4 +184,4 @@ def env_kernels() -> bool | None:
         return True
     if raw in _FALSE:
         return False
-    raise ValueError(f"torchfix: TORCHFIX_KERNELS={raw!r} is not valid; use 1, 0 or auto.")
+    raise InvalidArgumentError(f"torchfix: TORCHFIX_KERNELS={raw!r} is not valid; use 1, 0 or auto.")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidArgumentError, InvalidArgumentTypeError, TorchfixError
+
 __all__ = ["DeviceLike", "backend_usable", "canonical", "same", "unusable_reason"]
 
 DeviceLike = Any  # str | int | torch.device | torch.Tensor | torch.nn.Module
@@ -33,7 +35,7 @@ def _current_index(device_type: str) -> int:
     try:
         return int(current())
     except RuntimeError as exc:  # a usable backend that cannot say which device is current: no guessing
-        raise RuntimeError(
+        raise TorchfixError(
             f"torchfix: cannot resolve {device_type!r} to one device: torch.{device_type}.current_device() raised "
             f"{type(exc).__name__}: {exc}. Name the device with its index ({device_type}:0)."
         ) from exc
@@ -82,10 +84,10 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
         seen.setdefault(canonical(tensor.device), name)
     if not seen:
-        raise ValueError(f"torchfix.devices: {type(module).__name__} has no parameters or buffers, so it has no device.")
+        raise InvalidArgumentError(f"torchfix.devices: {type(module).__name__} has no parameters or buffers, so it has no device.")
     if len(seen) > 1:
         where = ", ".join(f"{dev} (e.g. {name})" for dev, name in seen.items())
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.devices: {type(module).__name__} spans several devices: {where}. "
             "Move it with module.to(device) first, or ask about one tensor."
         )
@@ -110,16 +112,16 @@ def canonical(device: DeviceLike) -> torch.device:
     elif isinstance(device, torch.nn.Module):
         return _module_device(device)
     elif isinstance(device, bool):
-        raise TypeError("torchfix.devices: a bool is not a device.")
+        raise InvalidArgumentTypeError("torchfix.devices: a bool is not a device.")
     elif isinstance(device, int):
         device = torch.device("cuda", device)
     elif isinstance(device, str):
         try:
             device = torch.device(device)
         except RuntimeError as exc:
-            raise ValueError(f"torchfix.devices: {device!r} is not a device string (e.g. 'cpu', 'cuda:0', 'mps').") from exc
+            raise InvalidArgumentError(f"torchfix.devices: {device!r} is not a device string (e.g. 'cpu', 'cuda:0', 'mps').") from exc
     if not isinstance(device, torch.device):
-        raise TypeError(
+        raise InvalidArgumentTypeError(
             f"torchfix.devices: cannot read a device from {type(device).__name__}; pass a string, torch.device, tensor or module."
         )
     if device.type in ("cpu", "meta"):

@@ -14,12 +14,15 @@ from __future__ import annotations
 __all__ = [
     "DeviceMismatchError",
     "DtypeMismatchError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "InvalidCallError",
     "LayoutError",
     "ModelMismatchError",
     "NonFiniteError",
     "TorchfixError",
     "TorchfixWarning",
+    "UnknownNameError",
     "UnsupportedModelError",
     "UnsupportedUNetError",
 ]
@@ -49,7 +52,28 @@ class NonFiniteError(TorchfixError):
     """A reduced-precision component (a VAE decode in fp16) turned finite input into NaN/inf (``strict`` mode)."""
 
 
-class InvalidCallError(TorchfixError, ValueError):
+class InvalidArgumentError(TorchfixError, ValueError):
+    """An argument torchfix cannot use (a setting, a config value, a size): the message names it, its value and
+    what it must be. Also a ``ValueError``, which these refusals were before, so ``except ValueError`` still works.
+
+    >>> import torchfix
+    >>> try:
+    ...     torchfix.DeepCacheConfig(interval=0)
+    ... except torchfix.TorchfixError as exc:
+    ...     isinstance(exc, ValueError)
+    True
+    """
+
+
+class InvalidArgumentTypeError(TorchfixError, TypeError):
+    """An argument of a type torchfix cannot use (a string where a config is expected). Also a ``TypeError``."""
+
+
+class UnknownNameError(TorchfixError, KeyError):
+    """A name torchfix does not know (a family, a guarded op). Also a ``KeyError``."""
+
+
+class InvalidCallError(InvalidArgumentError):
     """A pipeline call's arguments that cannot make a picture (a height of 0, no inference steps), refused before
     step 0, naming the argument and what it must be. Also a ``ValueError``, as diffusers' own argument errors are."""
 

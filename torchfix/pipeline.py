@@ -39,6 +39,8 @@ from .devices import canonical, unusable_reason
 from .errors import (
     DeviceMismatchError,
     DtypeMismatchError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     InvalidCallError,
     ModelMismatchError,
     NonFiniteError,
@@ -64,7 +66,7 @@ def _finding(component: str, problem: str, fix: str, applied: bool = False, kind
 def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
     comps = getattr(pipe, "components", None)
     if not isinstance(comps, dict):
-        raise TypeError(f"torchfix.wrap: {type(pipe).__name__} has no .components; wrap a diffusers DiffusionPipeline.")
+        raise InvalidArgumentTypeError(f"torchfix.wrap: {type(pipe).__name__} has no .components; wrap a diffusers DiffusionPipeline.")
     return {name: c for name, c in comps.items() if isinstance(c, torch.nn.Module)}
 
 
@@ -364,7 +366,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         # wrapt forwards every other attribute; a method of the pipeline that returns the pipeline itself
         # (``pipe.to("cuda")``) returns this wrapper instead, so ``torchfix.wrap(pipe).to(...)`` keeps it.
         if name == "__wrapped__":
-            raise ValueError("wrapper has not been initialised")
+            raise ValueError("wrapper has not been initialised")  # wrapt's protocol
         value = getattr(self.__wrapped__, name)
         if inspect.ismethod(value) and value.__self__ is self.__wrapped__:
             return _returning_proxy(self, value)
@@ -462,13 +464,13 @@ class PipelineProxy(wrapt.ObjectProxy):
         _check_arguments(type(pipe).__name__, kwargs)
         resolution = _resolution_error(pipe, kwargs)
         if resolution is not None:
-            raise ValueError(resolution)
+            raise InvalidCallError(resolution)
         length = kwargs.get("max_sequence_length")
         t5_tokenizer = getattr(pipe, "tokenizer_3", None) or (getattr(pipe, "tokenizer_2", None) if hasattr(pipe, "transformer") else None)
         limit = getattr(t5_tokenizer, "model_max_length", None)
         if isinstance(length, int) and isinstance(limit, int) and limit < 10**6 and length > limit:
             name = "tokenizer_3" if getattr(pipe, "tokenizer_3", None) is not None else "tokenizer_2"
-            raise ValueError(
+            raise InvalidCallError(
                 f"torchfix: max_sequence_length={length} is longer than {name}.model_max_length={limit} (the T5 tokenizer "
                 f"of {type(pipe).__name__}): the prompt would be cut to {limit} tokens silently. Pass max_sequence_length <= {limit}."
             )
@@ -686,7 +688,7 @@ def wrap(
     settings = None if mode is None else Settings(mode=mode, dtype=dtype)
     parsed_dtype = Settings(dtype=dtype).dtype if dtype is not None else None
     if deepcache is not None and not isinstance(deepcache, DeepCacheConfig):
-        raise TypeError(f"torchfix.wrap: deepcache must be a torchfix.DeepCacheConfig, got {type(deepcache).__name__}.")
+        raise InvalidArgumentTypeError(f"torchfix.wrap: deepcache must be a torchfix.DeepCacheConfig, got {type(deepcache).__name__}.")
     _modules(pipe)  # clear error for non-pipelines
     if deepcache is not None:
         try:
@@ -697,11 +699,11 @@ def wrap(
             warnings.warn(f"torchfix.wrap: deepcache= is ignored: {exc}", TorchfixWarning, stacklevel=2)
             deepcache = None
         except ValueError as exc:
-            raise ValueError(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
+            raise InvalidArgumentError(f"torchfix.wrap(deepcache={deepcache!r}): {exc}") from None
     if device is not None:
         why = unusable_reason(device)
         if why is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"torchfix.wrap(device={device!r}): that device cannot be used here: {why}. Pass a device this machine has "
                 "(e.g. device='cpu'), or leave device out to keep the pipeline where it is."
             )

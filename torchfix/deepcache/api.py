@@ -20,7 +20,7 @@ import torch
 
 from .. import families
 from .._frames import uncompiled
-from ..errors import UnsupportedModelError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError, UnsupportedModelError
 from . import engine, streams
 from ._graphs import forget_compiled
 from .blocks import BlockState, TransformerLayout, apply_transformer, check_transformer
@@ -47,7 +47,10 @@ def denoisers(target: Any) -> tuple[list[tuple[str, torch.nn.Module]], Any]:
         return found, target
     if isinstance(target, torch.nn.Module):
         return [("model", uncompiled(target))], None
-    raise TypeError(f"torchfix.deepcache: expected a diffusers pipeline, its UNet or its transformer, got {type(target).__name__}.")
+    raise InvalidArgumentTypeError(
+        f"torchfix.deepcache: expected a diffusers pipeline, its UNet or "
+        f"its transformer, got {type(target).__name__}."
+    )
 
 
 def _family(model: torch.nn.Module) -> families.Family:
@@ -68,12 +71,12 @@ def _check_one(model: torch.nn.Module, config: DeepCacheConfig) -> Layout | Tran
         return check_transformer(model, for_family(config, family))
     layout = analyse(model)
     if config.revise is True:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.deepcache: revise=True, but {type(model).__name__} is a UNet; revising cached steps needs a transformer "
             "whose cached blocks end the chain (Flux) and a flow-matching Euler scheduler. Leave revise=None."
         )
     if config.branch >= layout.n_skips:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.deepcache: branch={config.branch} but {type(model).__name__} has {layout.n_skips} skip connections "
             f"(branch 0..{layout.n_skips - 1})."
         )
@@ -210,7 +213,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
     """
     config = DeepCacheConfig() if config is None else config
     if not isinstance(config, DeepCacheConfig):
-        raise TypeError(f"torchfix.deepcache.apply: config must be a DeepCacheConfig, got {type(config).__name__}.")
+        raise InvalidArgumentTypeError(f"torchfix.deepcache.apply: config must be a DeepCacheConfig, got {type(config).__name__}.")
     found, pipe = denoisers(target)
     layouts = [_check_one(model, config) for _, model in found]  # all or nothing
     applied = []

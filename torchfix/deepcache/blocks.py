@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .. import _warn, families
-from ..errors import UnsupportedModelError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
 from . import engine, parallel, streams
@@ -138,19 +138,19 @@ def check_transformer(model: torch.nn.Module, config: DeepCacheConfig) -> Transf
     layout = analyse_transformer(model)
     family, n = layout.family, layout.n_blocks
     if config.keep_first + config.keep_last >= n:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.deepcache: keep_first={config.keep_first} + keep_last={config.keep_last} leaves nothing to cache in "
             f"{type(model).__name__}'s {n} blocks; allowed: keep_first + keep_last <= {n - 1}."
         )
     last = layout.blocks[-1]
     if config.keep_last == 0 and getattr(last, "context_pre_only", False):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.deepcache: keep_last=0, but {type(model).__name__}'s last block ({layout.names[-1]}) drops the text "
             "stream (context_pre_only) and cannot be cached; use keep_last >= 1."
         )
     reason = revise_off(model, family, config)
     if config.revise is True and reason is not None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix.deepcache: revise=True, but {type(model).__name__}: {reason}; leave revise=None to revise only where it can."
         )
     return layout
@@ -683,7 +683,7 @@ def _verify_call(state: BlockState, model: Any, original: Any, args: tuple, kwar
         raise
     state.recorder = None
     if chain.revise is not None and state.config.revise is True:
-        raise ValueError(f"torchfix.deepcache: revise=True, but {type(model).__name__}: {chain.revise}; leave revise=None.")
+        raise InvalidArgumentError(f"torchfix.deepcache: revise=True, but {type(model).__name__}: {chain.revise}; leave revise=None.")
     state.chains[state.path] = state.chain = chain
     if chain.revise is not None:
         state.revising = False

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
+
 __all__ = [
     "FAMILY_DEFAULTS",
     "SCHEDULES",
@@ -152,41 +154,44 @@ class DeepCacheConfig:
         for name in (n for n in ("interval", "branch", "keep_first", "keep_last", "forecast") if n not in unset):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"DeepCacheConfig.{name} must be an int, got {value!r}.")
+                raise InvalidArgumentTypeError(f"DeepCacheConfig.{name} must be an int, got {value!r}.")
         if self.interval < 1:
-            raise ValueError(f"DeepCacheConfig.interval={self.interval} must be >= 1 (1 means no caching).")
+            raise InvalidArgumentError(f"DeepCacheConfig.interval={self.interval} must be >= 1 (1 means no caching).")
         if self.branch < 0:
-            raise ValueError(f"DeepCacheConfig.branch={self.branch} must be >= 0 (0 is the shallowest skip connection).")
+            raise InvalidArgumentError(f"DeepCacheConfig.branch={self.branch} must be >= 0 (0 is the shallowest skip connection).")
         for name in ("keep_first", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"DeepCacheConfig.{name}={getattr(self, name)} must be >= 0 (transformer blocks always run).")
+                raise InvalidArgumentError(f"DeepCacheConfig.{name}={getattr(self, name)} must be >= 0 (transformer blocks always run).")
         if self.forecast is not None and self.forecast not in (0, 1, 2):
-            raise ValueError(f"DeepCacheConfig.forecast={self.forecast} must be 0 (reuse), 1 (linear) or 2 (quadratic).")
+            raise InvalidArgumentError(f"DeepCacheConfig.forecast={self.forecast} must be 0 (reuse), 1 (linear) or 2 (quadratic).")
         if self.warm_up is not None and not isinstance(self.warm_up, bool):
-            raise TypeError(f"DeepCacheConfig.warm_up must be True, False or None, got {self.warm_up!r}.")
+            raise InvalidArgumentTypeError(f"DeepCacheConfig.warm_up must be True, False or None, got {self.warm_up!r}.")
         if self.revise is not None and not isinstance(self.revise, bool):
-            raise TypeError(f"DeepCacheConfig.revise must be True, False or None, got {self.revise!r}.")
+            raise InvalidArgumentTypeError(f"DeepCacheConfig.revise must be True, False or None, got {self.revise!r}.")
         if self.sensitivity is not None and (
             not isinstance(self.sensitivity, (int, float)) or isinstance(self.sensitivity, bool) or not 0.0 <= self.sensitivity <= 1.0
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"DeepCacheConfig.sensitivity={self.sensitivity!r} must be a number in [0, 1] (1.0: the cached blocks pass "
                 "input changes through; 0.0: forecast their output), or None to measure it."
             )
         number = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
         if self.threshold is not None and not (number and self.threshold > 0):
-            raise ValueError(f"DeepCacheConfig.threshold={self.threshold!r} must be a positive number, or None for the fixed schedule.")
+            raise InvalidArgumentError(
+                f"DeepCacheConfig.threshold={self.threshold!r} must be a "
+                f"positive number, or None for the fixed schedule."
+            )
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"DeepCacheConfig.schedule={self.schedule!r} must be one of {SCHEDULES}.")
+            raise InvalidArgumentError(f"DeepCacheConfig.schedule={self.schedule!r} must be one of {SCHEDULES}.")
         if not (0.0 <= self.start < (FAMILY_DEFAULTS["transformer"]["stop"] if self.stop is None else self.stop) <= 1.0):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"DeepCacheConfig window start={self.start}, stop={self.stop} must satisfy 0 <= start < stop <= 1 "
                 "(fractions of the denoising steps)."
             )
         if not self.power >= 1.0:
-            raise ValueError(f"DeepCacheConfig.power={self.power} must be >= 1.0 (1.0 spaces full steps evenly).")
+            raise InvalidArgumentError(f"DeepCacheConfig.power={self.power} must be >= 1.0 (1.0 spaces full steps evenly).")
         if self.num_steps is not None and (not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1):
-            raise ValueError(f"DeepCacheConfig.num_steps={self.num_steps!r} must be a positive int or None.")
+            raise InvalidArgumentError(f"DeepCacheConfig.num_steps={self.num_steps!r} must be a positive int or None.")
 
 
 # What DeepCacheConfig() leaves as None, per model family: the best measured on the denoisers trained here

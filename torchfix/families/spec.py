@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidArgumentError, UnknownNameError
+
 __all__ = ["Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]
 
 # Arguments whose presence makes any denoiser call run in full: residuals added to blocks from outside
@@ -56,7 +58,7 @@ class Blocks:
 
     def __post_init__(self) -> None:
         if "image" not in self.inputs or set(self.returns) != set(self.inputs):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Blocks({self.attr!r}): the streams returned {self.returns} must be the streams taken {tuple(self.inputs)}, "
                 "image among them."
             )
@@ -147,9 +149,9 @@ class Family:
 
     def __post_init__(self) -> None:
         if self.kind not in ("transformer", "unet"):
-            raise ValueError(f"Family({self.name!r}).kind must be 'transformer' or 'unet', got {self.kind!r}.")
+            raise InvalidArgumentError(f"Family({self.name!r}).kind must be 'transformer' or 'unet', got {self.kind!r}.")
         if self.kind == "transformer" and not self.blocks:
-            raise ValueError(f"Family({self.name!r}): a transformer family names at least one block list.")
+            raise InvalidArgumentError(f"Family({self.name!r}): a transformer family names at least one block list.")
 
     @property
     def full_only_arguments(self) -> tuple[str, ...]:
@@ -184,11 +186,11 @@ def register(family: Family, *, replace: bool = False) -> Family:
     _load()
     if not replace:
         if family.name in _REGISTRY:
-            raise ValueError(f"torchfix.families: a family named {family.name!r} is registered already (pass replace=True).")
+            raise InvalidArgumentError(f"torchfix.families: a family named {family.name!r} is registered already (pass replace=True).")
         taken = {c: f.name for f in _REGISTRY.values() for c in f.classes}
         clash = [c for c in family.classes if c in taken]
         if clash:
-            raise ValueError(f"torchfix.families: {', '.join(clash)} already belongs to family {taken[clash[0]]!r}.")
+            raise InvalidArgumentError(f"torchfix.families: {', '.join(clash)} already belongs to family {taken[clash[0]]!r}.")
     _REGISTRY[family.name] = family
     return family
 
@@ -199,7 +201,7 @@ def get(name: str) -> Family:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"torchfix.families: no family {name!r}; known: {', '.join(sorted(_REGISTRY))}.") from None
+        raise UnknownNameError(f"torchfix.families: no family {name!r}; known: {', '.join(sorted(_REGISTRY))}.") from None
 
 
 def names(builtin: bool = False) -> tuple[str, ...]:

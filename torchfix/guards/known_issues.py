@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import devices
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -70,7 +71,7 @@ def parse_version(text: str | None, what: str = "version") -> Version | None:
     try:
         return Version(str(text))
     except InvalidVersion:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"torchfix: {what}={text!r} is not a version; expected something like '2.13.0', '2.14.0a0+git1234' or '15.6'."
         ) from None
 
@@ -267,11 +268,11 @@ class KnownIssue:
 
     def __post_init__(self) -> None:
         if self.workaround not in WORKAROUNDS:
-            raise ValueError(f"torchfix: known issue {self.issue}: workaround={self.workaround!r} must be one of {WORKAROUNDS}.")
+            raise InvalidArgumentError(f"torchfix: known issue {self.issue}: workaround={self.workaround!r} must be one of {WORKAROUNDS}.")
         if isinstance(self.ops, str):
             object.__setattr__(self, "ops", (self.ops,))
         if not callable(self.predicate):
-            raise TypeError(f"torchfix: known issue {self.issue}: predicate must be callable(tensors) -> tuple of names.")
+            raise InvalidArgumentTypeError(f"torchfix: known issue {self.issue}: predicate must be callable(tensors) -> tuple of names.")
 
     def validate(self) -> KnownIssue:
         """Check the version bounds (:func:`add` does; the built-in rows are checked by the tests).
@@ -284,7 +285,7 @@ class KnownIssue:
         for low, high in (("torch_min", "torch_max"), ("os_min", "os_max")):
             a, b = bounds[low], bounds[high]
             if a is not None and b is not None and a >= b:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"torchfix: known issue {self.issue}: {low}={getattr(self, low)!r} must be below "
                     f"{high}={getattr(self, high)!r} (the upper end is exclusive)."
                 )
@@ -567,7 +568,7 @@ def add(entry: KnownIssue) -> KnownIssue:
     >>> remove(row)
     """
     if not isinstance(entry, KnownIssue):
-        raise TypeError("torchfix: add() takes a torchfix.KnownIssue.")
+        raise InvalidArgumentTypeError("torchfix: add() takes a torchfix.KnownIssue.")
     entry.validate()
     with _lock:
         _entries.append(entry)

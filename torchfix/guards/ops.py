@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UnknownNameError
+
 __all__ = ["SPECS", "OpSpec", "spec"]
 
 
@@ -98,4 +100,4 @@ def spec(name: str) -> OpSpec:
     try:
         return SPECS[name]
     except KeyError:
-        raise KeyError(f"torchfix: {name!r} is not a guarded op; guarded: {', '.join(SPECS)}") from None
+        raise UnknownNameError(f"torchfix: {name!r} is not a guarded op; guarded: {', '.join(SPECS)}") from None

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TorchfixError
 from ._shapes import check, collapse_batch, pad_batch, plan, result_dtype
 
 __all__ = ["SOURCE", "kernel_name", "launch_meta", "matmul", "supports", "unavailable_reason"]
@@ -125,7 +126,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     """Run the Metal kernel on MPS tensors, reading them in place."""
     why = unavailable_reason()
     if why is not None:
-        raise RuntimeError(f"torchfix: {why}")
+        raise TorchfixError(f"torchfix: {why}")
     check(a, b, out_dtype)
     target = result_dtype(a, b, out_dtype)
     torch._check(supports(a, b) and target in _METAL_TYPES, lambda: "torchfix::matmul (Metal): float16/bfloat16/float32 only")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TorchfixError
 from ._shapes import check, collapse_batch, pad_batch, plan, result_dtype
 
 __all__ = ["interpreting", "matmul", "supports", "unavailable_reason"]
@@ -154,7 +155,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     """
     why = unavailable_reason()
     if why is not None:
-        raise RuntimeError(f"torchfix: {why}")
+        raise TorchfixError(f"torchfix: {why}")
     check(a, b, out_dtype)
     torch._check(supports(a, b), lambda: "torchfix: the Triton matmul does not take float64; use the CPU/ATen path")
     target = result_dtype(a, b, out_dtype)
