@@ -43,38 +43,76 @@ def run_controlnet(pipe, steps=3):
     return latents(pipe, steps=steps, image=image)
 
 
-def test_a_controlnet_in_another_dtype_leaves_every_component_in_its_own():
+def test_a_controlnet_in_another_dtype_runs_in_the_pipelines_dtype():
     pipe = controlnet_pipeline(f16)
     with pytest.raises(RuntimeError):
-        run_controlnet(pipe)  # plain torch: the fp16 residuals promote the bf16 UNet's activations to fp32
+        run_controlnet(pipe)  # plain torch: the bf16 latents meet the fp16 ControlNet
     unet, controlnet = tensors(pipe.unet), tensors(pipe.controlnet)
+    # the maintainers' fix (diffusers #9527): the ControlNet loaded in the pipeline's dtype
+    fixed = controlnet_pipeline(f16)
+    fixed.controlnet.to(bf16)
+    reference = run_controlnet(fixed)
+    with torchfix.enabled():  # import torchfix: the same rule, per call
+        assert torch.equal(run_controlnet(pipe), reference)
+    assert tensors(pipe.controlnet) == controlnet
+    torchfix.report().clear()
     w = torchfix.wrap(pipe)
     out = run_controlnet(w)
     again = run_controlnet(w)
-    assert tensors(pipe.unet) == unet and tensors(pipe.controlnet) == controlnet and w.kept_bytes == 0  # nothing cast for good
-    assert out.dtype == bf16 and torch.equal(out, again)
-    reference = run_controlnet(controlnet_pipeline(bf16))  # the maintainers' fix: controlnet.to(torch.bfloat16)
-    assert rel_l2(out, reference) < 0.02
-    handovers = [e for e in torchfix.report().events if e.op == "torchfix.wrap" and "ControlNet residual" in e.detail]
-    assert len(handovers) == 6 and all(e.module == "unet" and "float16 handed to unet (bfloat16)" in e.detail for e in handovers)
-    assert not any(e.module and e.module.startswith("unet.") for e in torchfix.report().events)  # the UNet itself ran natively
-    info = [f for f in w.findings if f.component == "controlnet"]
-    assert info and info[0].advisory and "controlnet is float16, unet is bfloat16" in info[0].problem
+    assert torch.equal(out, reference) and torch.equal(again, reference)
+    assert tensors(pipe.unet) == unet  # the denoiser is the pipeline's dtype: never touched
+    # cast once after the first call: every layer torch rejected (the conditioning embedding runs on the control image,
+    # which the pipeline prepares in the ControlNet's own fp16: torch accepts that, so it is left alone)
+    assert {dt for n, (dt, _) in tensors(pipe.controlnet).items() if not n.startswith("controlnet_cond_embedding")} == {bf16}
+    assert w.kept_bytes > 0
+    events = torchfix.report().events
+    assert events and all(e.module.startswith("controlnet") for e in events if e.action != "noted")
+    assert any("controlnet (pipeline dtype)" in e.detail for e in events)
+    info = [f for f in w.findings if f.component == "controlnet" and f.advisory]
+    assert info and "pipeline's dtype" in info[0].fix
     w.unwrap()
+    assert tensors(pipe.controlnet) == controlnet  # the very originals back
     assert not pipe.unet._forward_pre_hooks  # the hand-over hook lived for the wrapped calls only
 
 
-def test_an_fp16_controlnet_beside_an_fp32_unet_hands_over_without_a_cast():
+def test_an_fp16_controlnet_beside_an_fp32_unet_runs_in_fp32_without_a_lasting_upcast():
     pipe = controlnet_pipeline(f16, dtype=f32)
     with pytest.raises(RuntimeError, match="same dtype"):
         run_controlnet(pipe)  # plain: the fp32 latents meet the fp16 ControlNet
     unet, controlnet = tensors(pipe.unet), tensors(pipe.controlnet)
+    fixed = controlnet_pipeline(f16, dtype=f32)
+    fixed.controlnet.to(f32)  # the maintainers' fix: the pipeline's dtype
     out = run_controlnet(torchfix.wrap(pipe))
-    assert tensors(pipe.unet) == unet and tensors(pipe.controlnet) == controlnet
-    assert out.dtype == f32 and rel_l2(out, run_controlnet(controlnet_pipeline(f32, dtype=f32))) < 0.02
-    events = torchfix.report().events
-    assert not [e for e in events if e.op == "torchfix.wrap"]  # fp32 + fp16 residuals promote to fp32: torch's own sum, kept
-    assert all(e.module.startswith("controlnet.") and "input float32→float16" in e.detail for e in events if e.action != "noted")
+    assert torch.equal(out, run_controlnet(fixed))
+    assert tensors(pipe.unet) == unet and tensors(pipe.controlnet) == controlnet  # a one-time cast never goes up
+    fixes = [e for e in torchfix.report().events if e.action != "noted"]
+    assert fixes and all(e.module.startswith("controlnet") and "float16→float32" in e.detail for e in fixes)
+
+
+def test_clip_bodies_in_fp16_beside_a_bf16_sd3_run_in_bf16():
+    def build():
+        pipe = tiny_sd3_pipeline(layers=2).to(bf16)
+        for encoder in (pipe.text_encoder, pipe.text_encoder_2):
+            encoder.text_model.half()  # the bodies loaded in fp16, the projection in the pipeline's bf16
+        return pipe
+
+    pipe = build()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        latents(pipe, steps=2)
+    with torchfix.enabled():
+        pooled = pipe.encode_prompt("a cat", "a cat", "a cat")[2]
+        out = latents(pipe, steps=2)
+    # the pooled output through text_projection: bf16, as the maintainers' (was cast down to fp16); the prompt embeddings
+    # (hidden states of the fp16 bodies cat with the bf16 T5's) are torch's own cat promotion, which it accepts: left alone
+    assert pooled.dtype == bf16 and pipe.text_encoder.text_projection.weight.dtype == bf16
+    fixed = build()
+    fixed.text_encoder.to(bf16), fixed.text_encoder_2.to(bf16)  # the maintainers' fix: the pipeline's dtype
+    assert out.dtype == bf16 and rel_l2(out, latents(fixed, steps=2)) < 0.02
+    casts = [e for e in torchfix.report().events if e.action != "noted"]
+    encoders = [e for e in casts if e.module.startswith("text_encoder")]
+    assert encoders and all(e.module.endswith(".text_projection") and "input float16→bfloat16" in e.detail for e in encoders)
+    # the rest: the fp32 embeddings and latents (torch's cat promotion) cast to bf16 at the transformer's first layers
+    assert all(e.module.startswith("transformer.") and "float32→bfloat16" in e.detail for e in casts if e not in encoders)
 
 
 def test_a_flux_pipeline_with_an_fp32_t5_keeps_its_transformer_bf16():
@@ -125,6 +163,25 @@ def test_an_fp32_vae_in_an_fp16_pipeline_stays_fp32_and_decodes_finite():
     assert (image - decode_reference(pipe, lat)).abs().max() <= 1e-3  # the latents cast up, as diffusers does
     (ev,) = [e for e in torchfix.report().events if e.module and e.module.startswith("vae")]
     assert ev.action == "upcast" and ev.module == "vae.post_quant_conv"
+
+
+def test_an_fp32_vae_without_force_upcast_runs_in_the_pipelines_dtype():
+    def build():
+        pipe = fp16_pipeline_with_vae(f32, scale=1.0)
+        pipe.vae.register_to_config(force_upcast=False)  # not kept in fp32 on purpose (an asymmetric VAE's config)
+        return pipe
+
+    pipe = build()
+    with pytest.raises(RuntimeError):
+        run_image(pipe)  # plain: fp16 latents into the fp32 VAE
+    fixed = build()
+    fixed.vae.half()  # the maintainers' fix: the VAE in the pipeline's dtype
+    with torchfix.enabled():
+        image = run_image(pipe)
+    # fp16 like the maintainers' (the group norms, whose fp32 parameters torch accepts with fp16 input, run as torch runs them)
+    assert image.dtype == f16 and (image - run_image(fixed)).abs().max() <= 2e-3
+    assert {e.module.split(".")[0] for e in torchfix.report().events if e.action != "noted"} == {"vae"}
+    assert all("vae (pipeline dtype)" in e.detail for e in torchfix.report().events if e.action != "noted")
 
 
 def test_a_non_finite_fp16_decode_is_re_run_in_fp32_and_reported():

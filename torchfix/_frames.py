@@ -44,6 +44,8 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 # root module -> name the pipeline gave it ("text_encoder"); filled by torchfix.wrap
 _ROOT_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# root module -> the pipeline that named it (a weak reference), for the pipeline's dtype (torchfix._model)
+_ROOT_PIPES: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 # root module -> {id(submodule): dotted name}, rebuilt when a lookup misses
 _NAME_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
@@ -105,12 +107,18 @@ def module_chain(depth: int = 1) -> list[torch.nn.Module]:
     return chain
 
 
-def name_root(module: torch.nn.Module, name: str | None) -> None:
-    """Give a top-level module a display name (``None`` forgets it)."""
+def name_root(module: torch.nn.Module, name: str | None, pipeline: object = None) -> None:
+    """Give a top-level module a display name, and the pipeline it is a component of (``None`` forgets both)."""
     if name is None:
         _ROOT_NAMES.pop(module, None)
+        _ROOT_PIPES.pop(module, None)
     else:
         _ROOT_NAMES[module] = name
+        if pipeline is not None:
+            try:
+                _ROOT_PIPES[module] = weakref.ref(pipeline)
+            except TypeError:  # not weakly referable: no pipeline dtype for it
+                pass
 
 
 def _resolves(root: torch.nn.Module, name: str, leaf: torch.nn.Module) -> bool:
@@ -130,9 +138,9 @@ def _names(root: torch.nn.Module, leaf: torch.nn.Module) -> str | None:
     return name
 
 
-def _component(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.nn.Module, str] | None:
-    """The running module that a calling pipeline holds as a component, and the component's name: the
-    nearest frame whose ``self`` has a ``components`` dict (a diffusers pipeline's ``__call__``)."""
+def _component(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.nn.Module, str, object] | None:
+    """The running module that a calling pipeline holds as a component, the component's name and the pipeline:
+    the nearest frame whose ``self`` has a ``components`` dict (a diffusers pipeline's ``__call__``)."""
     running = {id(m): m for m in chain}
     for _ in range(256):
         if frame is None:
@@ -142,13 +150,13 @@ def _component(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[t
         if isinstance(components, dict):
             for name, component in components.items():
                 if id(component) in running:
-                    return running[id(component)], name
+                    return running[id(component)], name, owner
         frame = frame.f_back
     return None
 
 
-def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.nn.Module, str]:
-    """The model the running modules belong to, and its display name.
+def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.nn.Module, str, object]:
+    """The model the running modules belong to, its display name and the pipeline it is a component of (or ``None``).
 
     The outermost module that the pipeline named wins; else a named module that
     contains the running ones (a submodule called directly); else a running module
@@ -162,8 +170,9 @@ def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.
         found = _component(chain, frame)
         if found is not None:
             return found
-        return chain[-1], ""
-    return root, _ROOT_NAMES.get(root, "")
+        return chain[-1], "", None
+    pipe = _ROOT_PIPES.get(root)
+    return root, _ROOT_NAMES.get(root, ""), None if pipe is None else pipe()
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
@@ -178,9 +187,10 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else module
 
 
-def owner(chain: list[torch.nn.Module]) -> tuple[torch.nn.Module, str] | None:
+def owner(chain: list[torch.nn.Module]) -> tuple[torch.nn.Module, str, object] | None:
     """The model a call made inside the running modules ``chain`` (innermost first) belongs to, with
-    its name (a pipeline component's, else its class's); ``None`` when no module is running.
+    its name (a pipeline component's, else its class's) and the pipeline it is a component of (``None``
+    outside one); ``None`` when no module is running.
 
     >>> import torch
     >>> owner([]) is None
@@ -188,8 +198,8 @@ def owner(chain: list[torch.nn.Module]) -> tuple[torch.nn.Module, str] | None:
     """
     if not chain:
         return None
-    root, name = _root([uncompiled(m) for m in chain], sys._getframe(1))
-    return root, name or type(root).__name__
+    root, name, pipe = _root([uncompiled(m) for m in chain], sys._getframe(1))
+    return root, name or type(root).__name__, pipe
 
 
 def module_path(chain: list[torch.nn.Module]) -> str | None:
@@ -197,7 +207,7 @@ def module_path(chain: list[torch.nn.Module]) -> str | None:
     if not chain:
         return None
     leaf = chain[0]
-    root, prefix = _root(chain, sys._getframe(1))
+    root, prefix, _ = _root(chain, sys._getframe(1))
     if leaf is root:
         return prefix or type(leaf).__name__
     name = _names(root, leaf)

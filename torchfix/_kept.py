@@ -25,7 +25,7 @@ from . import _frames
 from .errors import InvalidArgumentTypeError
 from .guards import dtype as dtype_guard
 
-__all__ = ["KEEP", "OWNED", "Mark", "is_kept", "is_owned", "keep_dtype", "kept_parameters", "mark_model", "unmark"]
+__all__ = ["KEEP", "OWNED", "Mark", "is_kept", "is_kept_module", "is_owned", "keep_dtype", "kept_parameters", "mark_model", "unmark"]
 
 KEEP = "_torchfix_keep"  # "module": torchfix.keep_dtype; "fp32": listed in _keep_in_fp32_modules (kept while float32)
 OWNED = "_torchfix_owned"  # a buffer of a model torchfix has seen (a parameter needs no mark)
@@ -100,6 +100,11 @@ def mark_model(root: torch.nn.Module) -> list[Mark]:
     for b in root.buffers():
         _set(b, OWNED, True, marks)
     return marks
+
+
+def is_kept_module(module: torch.nn.Module) -> bool:
+    """``torchfix.keep_dtype`` was called on this very module."""
+    return module in _kept_modules
 
 
 def kept_parameters(root: torch.nn.Module) -> set[int]:

@@ -30,9 +30,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _frames, _kept
+from .families import DENOISERS
 from .guards import dtype as dtype_guard
 
-__all__ = ["PROBES", "forget", "model_dtype", "owner_dtype"]
+__all__ = ["PROBES", "forget", "kept_high", "model_dtype", "owner_dtype", "pipeline_dtype"]
 
 PROBES = 64
 
@@ -108,11 +109,36 @@ def forget(model: torch.nn.Module) -> None:
     _CACHE.pop(model, None)
 
 
+def kept_high(model: torch.nn.Module) -> bool:
+    """The component is kept in its precision on purpose: a config flag says so, or ``torchfix.keep_dtype``."""
+    config = getattr(model, "config", None)
+    flags = (config.get(f) if isinstance(config, dict) else getattr(config, f, None) for f in dtype_guard.UPCAST_FLAGS)
+    return any(v is True for v in flags) or _kept.is_kept_module(model)
+
+
+def pipeline_dtype(pipe: object) -> torch.dtype | None:
+    """A pipeline's dtype: its (first) denoiser's own dtype; ``None`` without one."""
+    for name in DENOISERS:
+        model = getattr(pipe, name, None)
+        if isinstance(model, torch.nn.Module):
+            return model_dtype(_frames.uncompiled(model))
+    return None
+
+
 def owner_dtype(chain: Sequence[torch.nn.Module]) -> tuple[torch.dtype | None, str]:
     """The dtype and name of the model that the running modules ``chain`` (innermost first) belong to;
-    ``(None, "")`` when no module is running (a bare call)."""
+    ``(None, "")`` when no module is running (a bare call). A component of a pipeline answers with the dtype it
+    runs in there (:func:`torchfix.guards.dtype.component_dtype`: the pipeline's, unless kept higher on purpose),
+    and a name that says so."""
     found = _frames.owner(list(chain))
     if found is None:
         return None, ""
-    model, name = found
-    return model_dtype(model), name
+    model, name, pipe = found
+    own = model_dtype(model)
+    if pipe is None or name in DENOISERS:
+        return own, name
+    main = pipeline_dtype(pipe)
+    target = dtype_guard.component_dtype(own, main, kept_high=kept_high(model))
+    if target == own or target is None:
+        return own, name
+    return target, f"{name} (pipeline dtype)"

@@ -33,7 +33,6 @@ from ._text import dtype_name as _dt
 from .config import Settings
 from .deepcache import DeepCacheConfig
 from .deepcache import check as deepcache_check
-from .deepcache.api import DENOISERS
 from .deepcache.streams import scoped as deepcache_scope
 from .devices import canonical, unusable_reason
 from .errors import (
@@ -47,6 +46,7 @@ from .errors import (
     TorchfixWarning,
     UnsupportedModelError,
 )
+from .families import DENOISERS
 from .families.entries import LIKELY
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
@@ -137,22 +137,27 @@ def _conditioning_findings(pipe: Any) -> list[Finding]:
 
 
 def _component_dtypes(modules: dict[str, torch.nn.Module]) -> list[Finding]:
-    """Components that run in another dtype than the denoiser: information, never an error. Each
-    component is its own model and runs in its own dtype (an fp32 VAE beside an fp16 UNet stays
-    fp32); what one hands another is cast to the receiver's dtype."""
+    """Components in another dtype than the denoiser: information, never an error. Where torch rejects a mix
+    inside one, it runs in the dtype :func:`torchfix.guards.dtype.component_dtype` gives (the pipeline's, unless
+    kept higher on purpose, as a VAE with ``force_upcast``); whatever torch accepts in it runs as it is."""
     dtypes = {n: d for n, m in modules.items() if (d := _model.model_dtype(m)) is not None}
-    main = next((n for n in ("transformer", "unet") if n in dtypes), None)
+    main = next((n for n in DENOISERS if n in dtypes), None)
     if main is None or len(set(dtypes.values())) < 2:
         return []
     findings = []
     for name, dt in dtypes.items():
-        if name == main or dt == dtypes[main]:
+        if name in DENOISERS or dt == dtypes[main]:
             continue
         problem = f"{name} is {_dt(dt)}, {main} is {_dt(dtypes[main])}"
-        fix = (
-            f"nothing to do: each component runs in its own dtype; what one hands another is cast to the receiver's dtype "
-            f"at its first layer (to use one dtype: pipe.{name}.to(torch.{_dt(dtypes[main])}))"
-        )
+        runs = dtype_guard.component_dtype(dt, dtypes[main], kept_high=_model.kept_high(modules[name]))
+        if runs == dt:
+            fix = f"nothing to do: {name} is kept in {_dt(dt)} on purpose; what it is handed is cast to {_dt(dt)} where torch rejects it"
+        else:
+            fix = (
+                f"nothing to do: where torch rejects a mix in {name}, it runs in the pipeline's dtype {_dt(runs)} (wrap() casts "
+                f"those layers once, keeping the originals); to load it so: {name} = ...from_pretrained(..., "
+                f"torch_dtype=torch.{_dt(runs)}) or pipe.{name}.to(torch.{_dt(runs)})"
+            )
         findings.append(Finding("dtype", problem, fix, advisory=True, component=name))
     return findings
 
@@ -393,7 +398,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         findings: list[Finding] = []
         self._forget_components()
         for name, module in modules.items():
-            _frames.name_root(module, name)
+            _frames.name_root(module, name, pipe)
             self._self_named.append(module)
 
         # meta weights: never loaded (offload hooks keep meta weights on purpose)

@@ -21,6 +21,7 @@ import torch
 from .. import families
 from .._frames import uncompiled
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, UnsupportedModelError
+from ..families import DENOISERS
 from . import engine, streams
 from ._graphs import forget_compiled
 from .blocks import BlockState, TransformerLayout, apply_transformer, check_transformer
@@ -33,8 +34,6 @@ __all__ = ["DENOISERS", "apply", "check", "denoisers", "new_call", "remove", "st
 
 log = logging.getLogger("torchfix")
 
-# A pipeline's components that are denoisers, in the order they run.
-DENOISERS = ("unet", "transformer", "transformer_2")
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, CacheState] = weakref.WeakKeyDictionary()
 

@@ -6,6 +6,6 @@ wrapper's preflight, and the defaults measured per family (:mod:`torchfix.famili
 'blocks(hidden_states=image) -> image'
 """
 
-from .spec import FULL_ONLY, Blocks, Family, Width, find, get, names, register, supported
+from .spec import DENOISERS, FULL_ONLY, Blocks, Family, Width, find, get, names, register, supported
 
-__all__ = ["FULL_ONLY", "Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]
+__all__ = ["DENOISERS", "FULL_ONLY", "Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]

@@ -24,7 +24,10 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, UnknownNameError
 
-__all__ = ["Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]
+__all__ = ["DENOISERS", "Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]
+
+# A pipeline's components that are denoisers, in the order they run (Wan 2.2: two experts on one scheduler).
+DENOISERS = ("unet", "transformer", "transformer_2")
 
 # Arguments whose presence makes any denoiser call run in full: residuals added to blocks from outside
 # (ControlNets) and blocks skipped on purpose (SD3's skip-layer guidance). A cached step cannot honour them.

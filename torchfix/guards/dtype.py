@@ -50,7 +50,7 @@ import torch
 from .._text import dtype_name as _name
 from .plan import Action, Finding, Operand
 
-__all__ = ["cast_once", "decide", "dominant", "handover", "kept_in_fp32"]
+__all__ = ["UPCAST_FLAGS", "cast_once", "component_dtype", "decide", "dominant", "handover", "kept_in_fp32"]
 
 
 def kept_in_fp32(model: object, path: str) -> bool:
@@ -65,6 +65,37 @@ def kept_in_fp32(model: object, path: str) -> bool:
     names = getattr(model, "_keep_in_fp32_modules", None) or ()
     parts = path.split(".")
     return any(n in parts for n in names)
+
+
+# Config flags with which a component's maintainers say it runs in a higher precision than the pipeline on purpose
+# (diffusers' VAEs: ``force_upcast``, which the SDXL pipelines honour by decoding in fp32).
+UPCAST_FLAGS = ("force_upcast",)
+
+
+def component_dtype(
+    own: torch.dtype | None, pipeline: torch.dtype | None, *, denoiser: bool = False, kept_high: bool = False
+) -> torch.dtype | None:
+    """The dtype a pipeline component runs in where torch rejects a mix inside it.
+
+    The rule, in one sentence: **a side component runs in the pipeline's dtype (its denoiser's), unless it is kept in
+    a higher precision on purpose** (``kept_high``: a config flag of :data:`UPCAST_FLAGS`, or ``torchfix.keep_dtype``
+    on the component). That is how the maintainers load them: ``ControlNetModel.from_pretrained(...,
+    torch_dtype=pipe.dtype)``, the text encoders with the pipeline's ``torch_dtype``, a VAE with ``force_upcast``
+    left in fp32. The denoiser, and a model outside any pipeline (``pipeline`` is ``None``), run in their own dtype.
+
+    >>> f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    >>> component_dtype(f32, f16), component_dtype(f16, bf16)    # a ControlNet, CLIP bodies: the pipeline's dtype
+    (torch.float16, torch.bfloat16)
+    >>> component_dtype(f32, f16, kept_high=True)                # a VAE with force_upcast stays fp32
+    torch.float32
+    >>> component_dtype(f16, f32, kept_high=True), component_dtype(bf16, f16, denoiser=True)
+    (torch.float32, torch.bfloat16)
+    """
+    if own is None or pipeline is None or denoiser or own == pipeline:
+        return own
+    if kept_high and own.itemsize > pipeline.itemsize:
+        return own
+    return pipeline
 
 
 def dominant(sizes: Mapping[torch.dtype, int]) -> torch.dtype | None:
