@@ -47,7 +47,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .families import DENOISERS
-from .families.entries import LIKELY
+from .families.entries import LIKELY, SHARED_CONDITIONING
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
 from .patches.instance import HookHandle, TensorHandle, add_hook, swap_tensor
@@ -133,6 +133,48 @@ def _conditioning_findings(pipe: Any) -> list[Finding]:
         )
         relation = "is wider than" if width.padded else "does not match"
         findings.append(_finding(name, f"{what} {relation} {expected[1]}", _MISMATCH_FIX, kind="model"))
+    return findings
+
+
+def _config_int(module: Any, entry: str) -> int | None:
+    config = getattr(module, "config", None)
+    value = config.get(entry) if hasattr(config, "get") else getattr(config, entry, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _consumers(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
+    """Side models that read the same prompt conditioning as the denoiser: a ControlNet, each net of a
+    Multi-ControlNet."""
+    model = getattr(pipe, "controlnet", None)
+    nets = getattr(model, "nets", None)
+    if isinstance(nets, torch.nn.ModuleList):
+        return [(f"controlnet.nets[{i}]", net) for i, net in enumerate(nets)]
+    return [("controlnet", model)] if isinstance(model, torch.nn.Module) else []
+
+
+def _consumer_findings(pipe: Any) -> list[Finding]:
+    """Each side model that consumes the prompt conditioning checked against the denoiser it feeds (the config
+    entries of :data:`torchfix.families.entries.SHARED_CONDITIONING`): a ControlNet made for another base model
+    fails deep inside its first attention (``mat1 and mat2 shapes cannot be multiplied (154x2048 and 768x320)``)."""
+    denoiser = next(((n, m) for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
+    if denoiser is None:
+        return []
+    dname, dmodel = denoiser
+    findings = []
+    for cname, net in _consumers(pipe):
+        for entry, what in SHARED_CONDITIONING:
+            theirs, ours = _config_int(net, entry), _config_int(dmodel, entry)
+            if theirs is None or ours is None or theirs == ours:
+                continue
+            likely = LIKELY.get((what, theirs)) if entry != "projection_class_embeddings_input_dim" else None
+            base = LIKELY.get((what, ours)) if entry != "projection_class_embeddings_input_dim" else None
+            problem = (
+                f"{cname}.config.{entry}={theirs} does not match {dname}.config.{entry}={ours}: both read the pipeline's "
+                f"{what} embeddings"
+            )
+            made = f"{cname} was likely made for {likely}" if likely else f"{cname} was likely made for another base model"
+            fix = f"{made}{f', the pipeline is {base}' if base else ''}: load the {type(net).__name__} made for this pipeline's base model"
+            findings.append(_finding(cname, problem, fix, kind="model"))
     return findings
 
 
@@ -439,6 +481,7 @@ class PipelineProxy(wrapt.ObjectProxy):
             self._self_marks += _kept.mark_model(module)
 
         findings += _conditioning_findings(pipe)
+        findings += _consumer_findings(pipe)
         findings += _component_dtypes(modules)
         self._self_findings = findings
         self._self_fingerprint = self._fingerprint()

@@ -12,7 +12,7 @@ from typing import Any
 
 from .spec import Blocks, Family, Width, register
 
-__all__ = ["LIKELY"]
+__all__ = ["LIKELY", "SHARED_CONDITIONING"]
 
 IMAGE_TEXT = {"image": "hidden_states", "text": "encoder_hidden_states"}
 
@@ -38,6 +38,16 @@ LIKELY = {
     ("pooled", 2048): "SD3/SD3.5",
     ("pooled", 768): "Flux",
 }
+
+# Config entries in which a side model that consumes the prompt conditioning (a ControlNet) must agree with the
+# denoiser it feeds: both read the same prompt_embeds / pooled_prompt_embeds. (entry, which conditioning)
+SHARED_CONDITIONING = (
+    ("cross_attention_dim", "text"),
+    ("joint_attention_dim", "text"),
+    ("caption_channels", "text"),
+    ("projection_class_embeddings_input_dim", "pooled"),
+    ("pooled_projection_dim", "pooled"),
+)
 
 # --- UNets ---------------------------------------------------------------------------------------------------
 
@@ -170,6 +180,7 @@ register(
         "Sana (+Sprint)",
         ("SanaTransformer2DModel",),
         blocks=(single("transformer_blocks"),),
+        widths=(Width("text", "caption_channels", ("text_encoder",), label="Gemma"),),
         pipelines=("SanaPipeline", "SanaSprintPipeline", "SanaPAGPipeline"),
     )
 )
@@ -179,6 +190,7 @@ register(
         "PixArt-α/Σ",
         ("PixArtTransformer2DModel",),
         blocks=(single("transformer_blocks"),),
+        widths=(Width("text", "caption_channels", ("text_encoder",), label="T5"),),
         pipelines=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
     )
 )

@@ -51,9 +51,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import _context, runtime
+from .. import _context, _frames, runtime
 from ..guards import known_issues as ki
 from ..guards.ops import SPECS, OpSpec
+from ..runtime import widths
 from .core import Patch
 
 __all__ = ["PATCHES", "TARGETS"]
@@ -391,10 +392,24 @@ def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                explained = _explain_cat(exc, args, kwargs)
+                if explained is not None:
+                    raise explained from exc  # torch's own error stays its cause
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
     return wrapper
+
+
+def _explain_cat(exc: BaseException, args: tuple, kwargs: dict) -> BaseException | None:
+    """torch's cat error, named (embeddings of two models' widths), where torchfix is on; else ``None``."""
+    if isinstance(exc, _OUT_OF_MEMORY) or not _context.current().active:
+        return None
+    seq = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(seq, (list, tuple)) or not isinstance(dim, int):
+        return None
+    return widths.explain_cat(exc, seq, dim, _frames.call_site(2))
 
 
 _TEMPLATES: dict[str, Callable[[OpSpec, Wrapper], Wrapper]] = {

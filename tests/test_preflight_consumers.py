@@ -1,0 +1,125 @@
+"""Every consumer of the prompt conditioning is checked before step 0 (wrap's preflight): a ControlNet made for
+another base model, a T5 of the wrong width feeding PixArt; and embeddings of two models' widths meeting in one
+``torch.cat`` (a stale textual-inversion or prompt embedding) are named at the cat under ``import torchfix``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+
+pytest.importorskip("diffusers")
+
+from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+
+from torchfix.testing import TEXT_DIM, latents, tiny_sd15_pipeline, tiny_sd15_unet, tiny_sdxl_pipeline
+
+
+def sdxl_with_sd15_controlnet():
+    base = tiny_sdxl_pipeline()
+    torch.manual_seed(1)
+    controlnet = ControlNetModel.from_unet(tiny_sd15_unet(), conditioning_embedding_out_channels=(4, 8, 8, 16))
+    pipe = StableDiffusionXLControlNetPipeline(**base.components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_an_sd15_controlnet_on_an_sdxl_pipeline_is_refused_before_step_0_naming_both():
+    pipe = sdxl_with_sd15_controlnet()
+    image = torch.rand(1, 3, 64, 64)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # plain: deep inside the ControlNet
+        latents(pipe, steps=1, image=image)
+    calls = []
+    pipe.controlnet.register_forward_pre_hook(lambda *a: calls.append(1))
+    w = torchfix.wrap(pipe)
+    (finding,) = [f for f in w.preflight() if f.component == "controlnet"]
+    assert f"controlnet.config.cross_attention_dim={TEXT_DIM} does not match unet.config.cross_attention_dim={2 * TEXT_DIM}" in str(finding)
+    with pytest.raises(torchfix.ModelMismatchError, match=r"controlnet\.config\.cross_attention_dim") as info:
+        latents(w, steps=1, image=image)
+    assert "ControlNetModel made for this pipeline's base model" in str(info.value)
+    assert not calls  # refused before any component ran
+
+
+def test_a_matching_controlnet_is_no_finding():
+    base = tiny_sdxl_pipeline()
+    controlnet = ControlNetModel.from_unet(base.unet, conditioning_embedding_out_channels=(4, 8, 8, 16))
+    pipe = StableDiffusionXLControlNetPipeline(**base.components, controlnet=controlnet)
+    assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "controlnet"]
+
+
+def tiny_pixart(t5_width):
+    from diffusers import AutoencoderKL, DDIMScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
+
+    from torchfix.testing import t5_tokenizer, tiny_t5_encoder
+
+    torch.manual_seed(0)
+    transformer = PixArtTransformer2DModel(
+        sample_size=8,
+        num_layers=2,
+        patch_size=2,
+        attention_head_dim=8,
+        num_attention_heads=3,
+        caption_channels=32,
+        in_channels=4,
+        cross_attention_dim=24,
+        out_channels=8,
+        attention_bias=True,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(8,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        latent_channels=4,
+        norm_num_groups=8,
+    )
+    pipe = PixArtAlphaPipeline(
+        tokenizer=t5_tokenizer(), text_encoder=tiny_t5_encoder(hidden=t5_width), vae=vae, transformer=transformer, scheduler=DDIMScheduler()
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_a_t5_of_another_width_feeding_pixart_is_named():
+    pipe = tiny_pixart(t5_width=48)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        pipe("a cat", num_inference_steps=1, height=16, width=16, output_type="latent", use_resolution_binning=False)
+    findings = torchfix.wrap(pipe).preflight()
+    assert any("text_encoder (T5) output width 48 does not match transformer.config.caption_channels=32" in str(f) for f in findings)
+    assert not [f for f in torchfix.wrap(tiny_pixart(t5_width=32)).preflight() if not f.advisory]
+
+
+def test_embeddings_of_two_models_widths_in_one_cat_are_named_at_the_cat():
+    sd15, refiner = torch.zeros(2, 77, 768), torch.zeros(2, 77, 1280)
+    with pytest.raises(RuntimeError) as plain:
+        torch.cat([sd15, refiner])
+    with torchfix.enabled(), pytest.raises(torchfix.ModelMismatchError) as info:
+        torch.cat([sd15, refiner])
+    text = str(info.value)
+    assert "tensor 0 (2, 77, 768) (width 768)" in text and "SD1.5" in text and "the SDXL refiner" in text
+    assert "test_preflight_consumers.py" in text and "pipe.encode_prompt" in text
+    assert str(info.value.__cause__) == str(plain.value)  # torch's own error, kept as the cause
+    with torchfix.enabled(), pytest.raises(RuntimeError) as other:
+        torch.cat([torch.zeros(2, 5), torch.zeros(2, 7)])  # widths of no known model: torch's error untouched
+    assert type(other.value) is RuntimeError
+
+
+def test_a_stale_prompt_embedding_in_a_pipeline_call_is_named_at_the_cat():
+    from diffusers import StableDiffusionPipeline
+
+    from torchfix.testing import tiny_text_encoder
+
+    base = tiny_sd15_pipeline()
+    pipe = StableDiffusionPipeline(
+        **{**base.components, "text_encoder": tiny_text_encoder(hidden=768), "unet": tiny_sd15_unet(cross_attention_dim=768)}
+    )
+    pipe.set_progress_bar_config(disable=True)
+    stale = torch.randn(1, 77, 1280)  # made by the SDXL refiner's text encoder
+    with torchfix.enabled(), pytest.raises(torchfix.ModelMismatchError, match="width 1280") as info:
+        pipe(prompt_embeds=stale, negative_prompt="ugly", num_inference_steps=1, height=64, width=64, output_type="latent")
+    assert "SD1.5" in str(info.value)
