@@ -42,7 +42,6 @@ from .errors import (
     InvalidArgumentTypeError,
     InvalidCallError,
     ModelMismatchError,
-    NonFiniteError,
     TorchfixWarning,
     UnsupportedModelError,
 )
@@ -51,6 +50,7 @@ from .families.entries import LIKELY, SHARED_CONDITIONING
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
 from .patches.instance import HookHandle, TensorHandle, add_hook, swap_tensor
+from .runtime import finite
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
 
@@ -348,42 +348,23 @@ def _handover_hook(name: str, mode: str) -> Any:
 
 def _finite_hook(path: str, mode: str) -> Any:
     """A forward hook for a VAE's ``decoder``/``encoder``: a non-finite fp16/bf16 result from finite input
-    is re-run in fp32 (``strict``: :class:`torchfix.NonFiniteError`)."""
+    is re-run in fp32 (:mod:`torchfix.runtime.finite`; ``strict``: :class:`torchfix.NonFiniteError`)."""
     running: list[bool] = []
 
     def rerun_non_finite(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-        # Only a reduced-precision result is checked: one isfinite pass over the output.
-        if running or not isinstance(output, torch.Tensor) or output.dtype not in _LOW or bool(torch.isfinite(output).all()):
+        if running or not finite.needs_rescue(output, (*args, *kwargs.values())):
             return None
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not all(bool(torch.isfinite(t).all()) for t in inputs):
-            return None  # garbage in: not the VAE's precision at fault
-        site = _frames.call_site(1)
-        low = _dt(output.dtype)
-        problem = f"{path} in {low} produced NaN/inf from finite input (its activations exceed {low}'s range)"
-        fix = f"run the VAE in float32 (pipe.vae.to(torch.float32), or a VAE fixed for {low} such as madebyollin/sdxl-vae-fp16-fix)"
-        if mode == "strict":
-            raise NonFiniteError(f"torchfix: {problem}. To fix: {fix}.")
-        up = {n: t.float() if t.is_floating_point() else t for n, t in (*module.named_parameters(), *module.named_buffers())}
-        cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        cast_kw = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
-        running.append(True)
-        try:
-            result = torch.func.functional_call(module, up, tuple(cast), cast_kw)
-        finally:
-            running.pop()
-        back = result.to(output.dtype)
-        result = back if bool(torch.isfinite(back).all()) else result
-        detail = (
-            f"{problem} → re-ran in float32, returned {_dt(result.dtype)} "
-            "(rule: a non-finite reduced-precision decode is re-run in float32, as AUTOMATIC1111's VAE revert does)"
-        )
-        nbytes = result.numel() * result.element_size() + sum(t.numel() * 4 for t in up.values() if t.dtype == torch.float32)
-        report().add(FixEvent("torchfix.wrap", "dtype", "upcast", site, path, detail, change=f"{low}→float32", nbytes=nbytes))
-        log.info("torchfix.wrap: %s: %s", path, detail)
-        if mode == "warn":
-            _warn.once(("non-finite", path), f"torchfix.wrap: {detail}. To fix it for good: {fix}.", site=site)
-        return result
+
+        def rerun() -> tuple[torch.Tensor, int]:
+            running.append(True)
+            try:
+                with finite.upcast(module) as state:
+                    result = module(*map(finite.up, args), **{k: finite.up(v) for k, v in kwargs.items()})
+            finally:
+                running.pop()
+            return result, sum(t.numel() * 4 for t in state.values() if t.dtype == torch.float32)
+
+        return finite.rescued(path, output.dtype, mode, "torchfix.wrap", rerun)
 
     return rerun_non_finite
 

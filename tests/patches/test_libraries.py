@@ -53,3 +53,77 @@ def test_the_patch_waits_for_diffusers_to_be_imported():
     env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}  # the default: `import torchfix` enables
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_every_autoencoder_decode_is_patched_on_import_and_put_back_by_disable():
+    """import torchfix, then diffusers (a fresh process): each autoencoder class's own decode is wrapped as its module
+    loads, and after disable() every one ``is`` diffusers' function again."""
+    import subprocess
+
+    code = (
+        "import torchfix, sys, inspect; assert 'diffusers' not in sys.modules; "
+        "import diffusers; from diffusers import AutoencoderKL, AutoencoderKLWan, AutoencoderKLQwenImage; "
+        "classes = [AutoencoderKL, AutoencoderKLWan, AutoencoderKLQwenImage]; "
+        "assert all(getattr(vars(c)['decode'], '__torchfix_patch__', None) is not None for c in classes); "
+        "torchfix.disable(); "
+        "assert all(getattr(vars(c)['decode'], '__torchfix_patch__', None) is None for c in classes); "
+        "assert all(vars(c)['decode'].__module__ == c.__module__ for c in classes); print('ok')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def _overflowing_fp16_pipeline():
+    import torch
+
+    from torchfix.testing import tiny_sd15_pipeline, tiny_vae
+
+    pipe = tiny_sd15_pipeline().to(torch.float16)
+    vae = tiny_vae()
+    with torch.no_grad():
+        vae.decoder.conv_in.weight.mul_(2e5)  # activations beyond fp16's range (why SDXL's VAE is kept fp32)
+    pipe.vae = vae.half()
+    return pipe
+
+
+def _image(pipe):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a cat", num_inference_steps=2, height=64, width=64, output_type="pt", generator=generator).images
+
+
+def test_a_non_finite_fp16_decode_is_rescued_under_import_torchfix():
+    import torch
+
+    pipe = _overflowing_fp16_pipeline()
+    assert not torch.isfinite(_image(pipe)).all()  # plain: a black (NaN) image
+    latents = pipe(
+        "a cat", num_inference_steps=2, height=64, width=64, output_type="latent", generator=torch.Generator().manual_seed(0)
+    ).images
+    with torchfix.enabled():
+        image = _image(pipe)
+        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    assert torch.isfinite(image).all() and all(p.dtype == torch.float16 for p in pipe.vae.parameters())  # the VAE unchanged
+    reference = pipe.vae.float().decode(latents.float() / pipe.vae.config.scaling_factor).sample  # the maintainers': fp32
+    pipe.vae.half()
+    assert decoded.dtype == torch.float16 and (decoded.float() - reference).abs().max() <= 2e-3
+    events = [e for e in torchfix.report().events if e.module.endswith(".decode")]
+    assert events and events[0].module == "vae.decode" and "re-ran in float32" in events[0].detail
+    with torchfix.enabled(mode="strict"), pytest.raises(torchfix.NonFiniteError, match=r"vae\.decode in float16"):
+        _image(pipe)
+    with torchfix.enabled(guards=("device", "stride")):  # the dtype guard turned off: as plain diffusers
+        assert not torch.isfinite(_image(pipe)).all()
+
+
+def test_a_finite_decode_is_bit_identical_under_import_torchfix():
+    import torch
+
+    from torchfix.testing import tiny_sd15_pipeline
+
+    pipe = tiny_sd15_pipeline().to(torch.float16)
+    plain = _image(pipe)
+    with torchfix.enabled():
+        assert torch.equal(_image(pipe), plain)
+    assert not torchfix.report().events

@@ -4,7 +4,7 @@ force here, where the range comes from, and what torchfix does about it (the pat
 :mod:`torchfix.patches.libraries`). Pure: nothing here imports the library or patches it.
 
 >>> [row.issue for row in ROWS]
-['torchfix: diffusers context parallelism on a CPU build']
+['torchfix: diffusers context parallelism on a CPU build', 'vladmandic/sdnext#2193']
 """
 
 from __future__ import annotations
@@ -96,5 +96,25 @@ ROWS: tuple[LibraryIssue, ...] = (
         version_min="0.36.0",
         condition=cpu_build,
         condition_name="torch sees no accelerator",
+    ),
+    LibraryIssue(
+        library="diffusers",
+        where="diffusers.models.autoencoders.*:<every autoencoder class>.decode",
+        issue="vladmandic/sdnext#2193",
+        description=(
+            "a VAE decode in fp16/bf16 whose activations exceed the dtype's range returns NaN/inf: a black image, no error "
+            "(SDXL's VAE; diffusers' force_upcast decodes in fp32 only in the pipelines that honour it, and only when the "
+            "flag is set)"
+        ),
+        fix=(
+            "a non-finite reduced-precision decode of finite latents is re-run in float32 with float32 copies of the VAE's "
+            "weights (the VAE is not changed) and returned in its dtype, recorded as an event (strict: NonFiniteError); a "
+            "finite decode is returned as it is"
+        ),
+        basis=(
+            "vladmandic/sdnext#2193 (diffusers 0.21.1: black SDXL images until an explicit upcast), invoke-ai/InvokeAI#4083 "
+            "and #4454 (fixed by fp32 VAE precision), AUTOMATIC1111's automatic VAE revert to fp32; the overflow is the "
+            "weights', not a diffusers version's: every version"
+        ),
     ),
 )
