@@ -49,6 +49,7 @@ from .families import DENOISERS
 from .families.entries import LIKELY, SHARED_CONDITIONING
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
+from .patches import libraries
 from .patches.instance import HookHandle, TensorHandle, add_hook, swap_tensor
 from .runtime import finite
 
@@ -575,6 +576,9 @@ class PipelineProxy(wrapt.ObjectProxy):
                 device_policy=None if s is None else s.device_policy,
             ):
                 result = self.__wrapped__(*args, **kwargs)
+        except BaseException:
+            self._end_interrupted()
+            raise  # the pipeline's own error (or Ctrl-C), untouched
         finally:
             for h in hooks:
                 h.restore()
@@ -584,17 +588,37 @@ class PipelineProxy(wrapt.ObjectProxy):
             self._cast_once(learn, mode)
         return result
 
+    def _end_interrupted(self) -> None:
+        """A wrapped call that raised (or was interrupted) never reached diffusers' end-of-call reset of its cache
+        hooks (``maybe_free_model_hooks``): do that reset for it, so the next call starts fresh at any size."""
+        modules = _modules(self.__wrapped__)
+        for name in DENOISERS:
+            model = modules.get(name)
+            reset = libraries.reset_cache_state(model) if model is not None else []
+            if reset:
+                detail = (
+                    f"the call raised before diffusers' end-of-call reset: the state of {', '.join(reset)} reset, as "
+                    "maybe_free_model_hooks() does at the end of a call (the next call starts fresh)"
+                )
+                report().add(FixEvent("torchfix.wrap", "cache", "reset", _frames.call_site(2), name, detail))
+                log.info("torchfix.wrap: %s: %s", name, detail)
+
     # --- during one call ---------------------------------------------------------------------
 
     def _call_hooks(self, mode: str) -> list[HookHandle]:
         """Hooks that live for one wrapped call only (another pipeline sharing a component never sees
-        them): hand-overs cast to the receiver's dtype, and the VAE's non-finite check."""
+        them): hand-overs cast to the receiver's dtype, the stale-state check of a diffusers cache on a denoiser
+        (:func:`torchfix.patches.libraries.watch_cache`), and the VAE's non-finite check."""
         modules = _modules(self.__wrapped__)
         hooks = []
         if mode in ("fix", "warn"):
             for name in ("unet", "transformer"):
                 if name in modules:
                     hooks.append(add_hook(modules[name], _handover_hook(name, mode), pre=True, with_kwargs=True))
+        for name in DENOISERS:
+            model = modules.get(name)
+            if model is not None and libraries.has_cache_state(model) and (watch := libraries.watch_cache(model)) is not None:
+                hooks.append(watch)  # a diffusers cache enabled before torchfix was: its stale-state check for this call
         vae = modules.get("vae")
         for part in ("decoder", "encoder"):
             sub = getattr(vae, part, None)

@@ -3,8 +3,8 @@ data, like :mod:`torchfix.guards.known_issues`. Each row says where the bug is, 
 force here, where the range comes from, and what torchfix does about it (the patch lives in
 :mod:`torchfix.patches.libraries`). Pure: nothing here imports the library or patches it.
 
->>> [row.issue for row in ROWS]
-['torchfix: diffusers context parallelism on a CPU build', 'vladmandic/sdnext#2193']
+>>> [row.issue for row in ROWS][1:]
+['vladmandic/sdnext#2193', 'torchfix: diffusers cache state after an interrupted call']
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from .known_issues import _in_range, _span, parse_version
 
-__all__ = ["ROWS", "LibraryIssue", "cpu_build", "explain"]
+__all__ = ["ROWS", "LibraryIssue", "cpu_build", "explain", "stale"]
 
 
 def cpu_build() -> bool:
@@ -58,6 +58,22 @@ class LibraryIssue:
     @property
     def versions(self) -> str:
         return _span(self.version_min, self.version_max, self.library)
+
+
+def stale(before: tuple | None, now: tuple) -> str | None:
+    """What changed between the latent signature ``(shape, dtype, device)`` of a denoiser's previous call and this
+    one, in words; ``None`` for the same (or a first call). A change means the state a cache hook holds was made for
+    other latents.
+
+    >>> stale(((2, 16, 8), "torch.float32", "cpu"), ((2, 36, 8), "torch.float32", "cpu"))
+    'latents (2, 16, 8) → (2, 36, 8)'
+    >>> stale(None, ((1, 4), "f", "cpu")) is None
+    True
+    """
+    if before is None or before == now:
+        return None
+    names = ("latents", "dtype", "device")
+    return ", ".join(f"{n} {a} → {b}" for n, a, b in zip(names, before, now) if a != b)
 
 
 def explain(row: LibraryIssue, version: str | None) -> tuple[bool, str]:
@@ -116,5 +132,28 @@ ROWS: tuple[LibraryIssue, ...] = (
             "and #4454 (fixed by fp32 VAE precision), AUTOMATIC1111's automatic VAE revert to fp32; the overflow is the "
             "weights', not a diffusers version's: every version"
         ),
+    ),
+    LibraryIssue(
+        library="diffusers",
+        where="diffusers.models.cache_utils:CacheMixin.enable_cache",
+        issue="torchfix: diffusers cache state after an interrupted call",
+        description=(
+            "diffusers' cache hooks (FirstBlockCache, TaylorSeer, MagCache, FasterCache, PAB, ...) keep tensors from the "
+            "previous call and reset them only in maybe_free_model_hooks() at the end of a pipeline call; a call that "
+            "raises or is interrupted (Ctrl-C, a callback that stops it), or a loop that calls the denoiser itself, "
+            "leaves them, and the next call at another size crashes deep inside (FirstBlockCache: 'The size of tensor a "
+            "(36) must match the size of tensor b (16)') or mixes states silently"
+        ),
+        fix=(
+            "a denoiser with a diffusers cache whose call brings latents of another shape, dtype or device than its "
+            "previous call gets its cache state reset first (diffusers' own _reset_stateful_cache), recorded as an "
+            "event (strict: ModelMismatchError); calls with the same latents are left alone"
+        ),
+        basis=(
+            "found here with diffusers 0.42.1 (an interrupted FirstBlockCache call, then another size); the end-of-call "
+            "reset is diffusers' own design (pipeline_utils.maybe_free_model_hooks); ESTIMATE: every version with "
+            "CacheMixin (0.33.0 on), not fixed in 0.42.1"
+        ),
+        version_min="0.33.0",
     ),
 )

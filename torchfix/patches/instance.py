@@ -207,6 +207,7 @@ def _register(
 
     class _TorchfixHook(model_hook):  # type: ignore[misc, valid-type]
         _is_stateful = reset is not None or on_context is not None
+        _torchfix = True  # torchfix's own (libraries.foreign_cache_hooks leaves it out)
 
         def __init__(self) -> None:
             super().__init__()

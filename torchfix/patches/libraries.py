@@ -9,17 +9,24 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import logging
 import sys
+import weakref
 from typing import Any
 
 import torch
 
-from .. import _context, _frames
+from .. import _context, _frames, _warn
+from .._report import FixEvent, report
+from ..errors import ModelMismatchError
 from ..guards import library_issues as li
 from ..runtime import finite
 from .core import Patch
+from .instance import HookHandle, add_hook
 
-__all__ = ["install", "installed", "remove"]
+__all__ = ["foreign_cache_hooks", "has_cache_state", "install", "installed", "remove", "reset_cache_state", "watch_cache"]
+
+log = logging.getLogger("torchfix")
 
 _MODULE = "diffusers.models.modeling_utils"
 
@@ -85,9 +92,119 @@ def _rescue_decode(original: Any) -> Any:
     return decode
 
 
+def _latents(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for key in ("hidden_states", "sample", "x"):
+        if isinstance(value := kwargs.get(key), torch.Tensor):
+            return value
+    return args[0] if args and isinstance(args[0], torch.Tensor) else None
+
+
+def foreign_cache_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """The diffusers hooks that hold state (caches) on ``model`` and its submodules, torchfix's own left out (its
+    DeepCache is fresh per call and resolution-tolerant), with the module each sits on."""
+    found = []
+    for module in model.modules():
+        registry = module.__dict__.get("_diffusers_hook")
+        for hook in (getattr(registry, "hooks", None) or {}).values():
+            if getattr(hook, "_is_stateful", False) and not getattr(hook, "_torchfix", False):
+                found.append((module, hook))
+    return found
+
+
+def has_cache_state(model: torch.nn.Module) -> bool:
+    """Whether a diffusers hook that holds state (a cache, not torchfix's) sits on ``model`` or a submodule."""
+    return bool(foreign_cache_hooks(model))
+
+
+def _reset(hooks: list[tuple[torch.nn.Module, Any]]) -> None:
+    """What diffusers' ``_reset_stateful_cache`` does, for these hooks only, from inside a call: each state manager
+    keeps the ``cache_context`` the pipeline set around this call (diffusers' reset clears it, meant for between calls)."""
+    managers = [v for _, hook in hooks for v in vars(hook).values() if hasattr(v, "set_context") and hasattr(v, "_context")]
+    contexts = [m._context for m in managers]
+    for owner, hook in hooks:
+        hook.reset_state(owner)
+    for manager, context in zip(managers, contexts):
+        manager.set_context(context)
+
+
+def reset_cache_state(model: torch.nn.Module) -> list[str]:
+    """Reset the state of every diffusers cache hook on ``model`` (torchfix's own left out), as diffusers'
+    ``maybe_free_model_hooks`` does at the end of a pipeline call; the hooks' class names."""
+    hooks = foreign_cache_hooks(model)
+    _reset(hooks)
+    return sorted({type(h).__name__ for _, h in hooks})
+
+
+# denoiser -> the latent signature of its previous call; denoiser -> the watch enable_cache put on it
+_SIGNATURES: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+_WATCHES: weakref.WeakKeyDictionary[torch.nn.Module, HookHandle] = weakref.WeakKeyDictionary()
+
+
+def _reset_if_stale(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """A forward pre-hook: latents of another shape, dtype or device than the previous call's reset the diffusers
+    cache state on ``module`` first (:data:`torchfix.guards.library_issues.ROWS`, the cache row)."""
+    settings = _context.current()
+    latents = _latents(args, kwargs)
+    if not settings.active or latents is None or torch.compiler.is_compiling():
+        return None
+    now = (tuple(latents.shape), str(latents.dtype), str(latents.device))
+    change = li.stale(_SIGNATURES.get(module), now)
+    _SIGNATURES[module] = now
+    hooks = foreign_cache_hooks(module) if change is not None else []
+    if not hooks:
+        return None
+    name, site = _frames.owner([module])[1], _frames.call_site(2)
+    problem = f"{name}'s diffusers cache holds state from a call with other latents ({change})"
+    if settings.mode == "strict":
+        raise ModelMismatchError(
+            f"torchfix: {problem}: the previous call did not finish (diffusers resets it at the end of a pipeline call). "
+            f"To fix: {name}._reset_stateful_cache() before this call, or let calls finish."
+        )
+    _reset(hooks)
+    detail = f"{problem} → reset it first (as diffusers does at the end of a call), this call runs as a fresh one"
+    report().add(FixEvent("torchfix", "cache", "reset", site, name, detail, change=change))
+    log.info("torchfix: %s: %s", name, detail)
+    if settings.mode == "warn":
+        _warn.once(("stale-cache", name), f"torchfix: {detail}.", site=site)
+    return None
+
+
+def watch_cache(model: torch.nn.Module) -> HookHandle | None:
+    """The stale-state check on ``model`` (a forward pre-hook); ``None`` where one is on it already."""
+    if model in _WATCHES:
+        return None
+    return add_hook(model, _reset_if_stale, pre=True, with_kwargs=True)
+
+
+def _watching_enable(original: Any) -> Any:
+    @functools.wraps(original)
+    def enable_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        handle = watch_cache(self)
+        if handle is not None:
+            _WATCHES[self] = handle
+        return result
+
+    return enable_cache
+
+
+def _watching_disable(original: Any) -> Any:
+    @functools.wraps(original)
+    def disable_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        handle = _WATCHES.pop(self, None)
+        if handle is not None:
+            handle.restore()
+        _SIGNATURES.pop(self, None)
+        return result
+
+    return disable_cache
+
+
 # patch label -> Patch, for the rows in force
 _PATCHES: dict[str, Patch] = {}
 _AUTOENCODERS = "diffusers.models.autoencoders."
+_CACHES = "diffusers.models.cache_utils"
 
 
 def _version() -> str | None:
@@ -110,6 +227,10 @@ def _patch_module(name: str) -> None:
     if name == _MODULE and li.explain(li.ROWS[0], _version())[0]:
         owner = getattr(module, "ModelMixin", None)
         _patch(owner, "_resolve_parallel_config", "diffusers ModelMixin._resolve_parallel_config", _resolve_on_cpu)
+    if name == _CACHES and li.explain(li.ROWS[2], _version())[0]:
+        owner = getattr(module, "CacheMixin", None)
+        _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
+        _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
     if name.startswith(_AUTOENCODERS) and li.explain(li.ROWS[1], _version())[0]:
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
@@ -117,7 +238,7 @@ def _patch_module(name: str) -> None:
 
 
 def _watched(name: str) -> bool:
-    return name == _MODULE or name.startswith(_AUTOENCODERS)
+    return name in (_MODULE, _CACHES) or name.startswith(_AUTOENCODERS)
 
 
 def _patch_loaded() -> None:
@@ -170,6 +291,9 @@ def remove() -> None:
     for patch in _PATCHES.values():
         patch.remove()
     _PATCHES.clear()
+    for handle in list(_WATCHES.values()):
+        handle.restore()
+    _WATCHES.clear()
 
 
 def installed() -> list[str]:

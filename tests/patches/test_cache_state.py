@@ -1,0 +1,107 @@
+"""diffusers' cache hooks after an interrupted call (torchfix.guards.library_issues, the cache row): the next call with
+latents of another size runs as a fresh one under torchfix (diffusers resets them only at the end of a call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+
+pytest.importorskip("diffusers")
+
+import diffusers
+
+from torchfix.testing import tiny_flux_pipeline
+
+
+def _configs():
+    steps = 4
+    # FasterCache and PAB read the pipeline's current timestep through a callback
+    yield "FirstBlockCache", lambda pipe: diffusers.FirstBlockCacheConfig(threshold=0.2)
+    yield "TaylorSeer", lambda pipe: diffusers.TaylorSeerCacheConfig()
+    yield "MagCache", lambda pipe: diffusers.MagCacheConfig(mag_ratios=[1.0] * steps, num_inference_steps=steps)
+    yield (
+        "FasterCache",
+        lambda pipe: diffusers.FasterCacheConfig(
+            spatial_attention_block_skip_range=2, current_timestep_callback=lambda: pipe.current_timestep, is_guidance_distilled=True
+        ),
+    )
+    yield (
+        "PyramidAttentionBroadcast",
+        lambda pipe: diffusers.PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, current_timestep_callback=lambda: pipe.current_timestep
+        ),
+    )
+
+
+CONFIGS = dict(_configs())
+
+
+def run(pipe, size, stop_at=None):
+    def callback(p, i, t, kwargs):
+        if i == stop_at:
+            raise KeyboardInterrupt  # Ctrl-C, or a callback that stops the call
+        return kwargs
+
+    generator = torch.Generator().manual_seed(0)
+    return pipe(
+        "a cat", num_inference_steps=4, height=size, width=size, output_type="latent", callback_on_step_end=callback, generator=generator
+    ).images
+
+
+def cached(name):
+    pipe = tiny_flux_pipeline()
+    pipe.transformer.enable_cache(CONFIGS[name](pipe))
+    return pipe
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_call_at_another_size_after_an_interrupted_one_runs_as_a_fresh_one(name):
+    fresh = run(cached(name), 96)
+    with torchfix.enabled():  # import torchfix (enable_cache called while torchfix is on: watched)
+        pipe = cached(name)
+        with pytest.raises(KeyboardInterrupt):
+            run(pipe, 64, stop_at=1)
+        again = run(pipe, 96)
+    assert torch.equal(again, fresh)
+    (event,) = [e for e in torchfix.report().events if e.guard == "cache"]
+    assert event.action == "reset" and event.module == "transformer" and "latents (1, 16, 64) → (1, 36, 64)" in event.detail
+    with torchfix.enabled():
+        assert torch.equal(run(pipe, 96), fresh)  # same latents as the last call: left alone
+    assert len([e for e in torchfix.report().events if e.guard == "cache"]) == 1
+
+
+def test_plain_diffusers_crashes_there_and_a_wrapped_call_that_raises_leaves_no_state():
+    pipe = cached("FirstBlockCache")  # enabled while torchfix is off: no watch of its own
+    with pytest.raises(KeyboardInterrupt):
+        run(pipe, 64, stop_at=1)
+    with pytest.raises(RuntimeError, match="must match the size"):  # plain: the stale residual of the 64² call
+        run(pipe, 96)
+    pipe = cached("FirstBlockCache")
+    w = torchfix.wrap(pipe)
+    with pytest.raises(KeyboardInterrupt):  # wrap re-raises the call's own exception, after the reset diffusers skipped
+        run(w, 64, stop_at=1)
+    (event,) = [e for e in torchfix.report().events if e.guard == "cache"]
+    assert event.module == "transformer" and "FBCHeadBlockHook" in event.detail and "maybe_free_model_hooks" in event.detail
+    assert torch.equal(run(w, 96), run(cached("FirstBlockCache"), 96))
+    with pytest.raises(KeyboardInterrupt):
+        run(w, 96, stop_at=2)
+    assert torch.equal(run(w, 96), run(cached("FirstBlockCache"), 96))  # the same size after an interrupted call: fresh too
+    w.unwrap()
+    assert not pipe.transformer._forward_pre_hooks  # wrap's check lived for its calls only
+
+
+def test_strict_refuses_naming_the_change_and_disable_takes_the_watch_away():
+    with torchfix.enabled():
+        pipe = cached("FirstBlockCache")
+        assert pipe.transformer._forward_pre_hooks
+        with pytest.raises(KeyboardInterrupt):
+            run(pipe, 64, stop_at=1)
+        with torchfix.enabled(mode="strict"), pytest.raises(torchfix.ModelMismatchError, match=r"latents \(1, 16, 64\) → \(1, 36, 64\)"):
+            run(pipe, 96)
+        pipe.transformer.disable_cache()
+        assert not pipe.transformer._forward_pre_hooks
+        pipe.transformer.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.2))
+        assert pipe.transformer._forward_pre_hooks
+    assert not pipe.transformer._forward_pre_hooks  # torchfix off: its watch is gone
