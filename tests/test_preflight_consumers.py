@@ -123,3 +123,48 @@ def test_a_stale_prompt_embedding_in_a_pipeline_call_is_named_at_the_cat():
     with torchfix.enabled(), pytest.raises(torchfix.ModelMismatchError, match="width 1280") as info:
         pipe(prompt_embeds=stale, negative_prompt="ugly", num_inference_steps=1, height=64, width=64, output_type="latent")
     assert "SD1.5" in str(info.value)
+
+
+def test_an_ip_adapter_for_another_image_encoder_is_named():
+    from diffusers.models.embeddings import ImageProjection, MultiIPAdapterImageProjection
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    def encoder(projection_dim):
+        torch.manual_seed(0)
+        config = CLIPVisionConfig(
+            hidden_size=16,
+            projection_dim=projection_dim,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+            image_size=32,
+            patch_size=8,
+        )
+        return CLIPVisionModelWithProjection(config).eval()
+
+    pipe = tiny_sd15_pipeline()
+    projection = ImageProjection(cross_attention_dim=TEXT_DIM, image_embed_dim=24, num_image_text_embeds=4)
+    pipe.unet.encoder_hid_proj = MultiIPAdapterImageProjection([projection])
+    pipe.register_modules(image_encoder=encoder(projection_dim=12))  # an adapter made for another image encoder
+    embeds = pipe.image_encoder(torch.rand(1, 3, 32, 32)).image_embeds
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # plain: inside the projection
+        projection(embeds)
+    (finding,) = [f for f in torchfix.wrap(pipe).preflight() if f.component == "image_encoder"]
+    assert "IP-Adapter 0 (ImageProjection) takes image features of width 24, but image_encoder.config.projection_dim=12" in str(finding)
+    pipe.register_modules(image_encoder=encoder(projection_dim=24))
+    assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "image_encoder"]
+
+
+def test_a_t2i_adapter_for_another_base_is_named():
+    from diffusers import StableDiffusionXLAdapterPipeline, T2IAdapter
+
+    base = tiny_sdxl_pipeline()
+    adapter = T2IAdapter(in_channels=3, channels=[8, 16, 32, 32], num_res_blocks=1, downscale_factor=8, adapter_type="full_adapter")
+    pipe = StableDiffusionXLAdapterPipeline(**base.components, adapter=adapter)
+    pipe.set_progress_bar_config(disable=True)
+    (finding,) = [f for f in torchfix.wrap(pipe).preflight() if f.component == "adapter"]
+    assert "adapter.config.adapter_type='full_adapter' does not fit unet (SDXL: it takes full_adapter_xl)" in str(finding)
+    assert "made for SD1.x/2.x" in finding.fix
+    xl = T2IAdapter(in_channels=3, channels=[8, 16, 32, 32], num_res_blocks=1, downscale_factor=16, adapter_type="full_adapter_xl")
+    pipe = StableDiffusionXLAdapterPipeline(**base.components, adapter=xl)
+    assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "adapter"]

@@ -46,7 +46,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .families import DENOISERS
-from .families.entries import LIKELY, SHARED_CONDITIONING
+from .families.entries import IMAGE_PROJECTION_DEFAULT, IMAGE_PROJECTION_READS, LIKELY, SHARED_CONDITIONING, T2I_XL_LAYOUT
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
 from .patches import libraries
@@ -176,6 +176,58 @@ def _consumer_findings(pipe: Any) -> list[Finding]:
             made = f"{cname} was likely made for {likely}" if likely else f"{cname} was likely made for another base model"
             fix = f"{made}{f', the pipeline is {base}' if base else ''}: load the {type(net).__name__} made for this pipeline's base model"
             findings.append(_finding(cname, problem, fix, kind="model"))
+    return findings
+
+
+def _first_linear(module: torch.nn.Module) -> torch.nn.Linear | None:
+    return next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+
+
+def _ip_adapter_findings(pipe: Any) -> list[Finding]:
+    """Each IP-Adapter image projection loaded into the denoiser against the image encoder that feeds it (a plus
+    adapter reads hidden states, a plain one ``image_embeds``): an adapter for another image encoder fails inside
+    its first layer."""
+    denoiser = next((m for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
+    encoder = getattr(pipe, "image_encoder", None)
+    layers = getattr(getattr(denoiser, "encoder_hid_proj", None), "image_projection_layers", None)
+    if not isinstance(encoder, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList):
+        return []
+    findings = []
+    for i, layer in enumerate(layers):
+        kind = type(layer).__name__
+        reads = IMAGE_PROJECTION_READS.get(kind, IMAGE_PROJECTION_DEFAULT)
+        first, given = _first_linear(layer), _config_int(encoder, reads)
+        if "FaceID" in kind or first is None or given is None or first.in_features == given:
+            continue
+        problem = (
+            f"IP-Adapter {i} ({kind}) takes image features of width {first.in_features}, but image_encoder.config.{reads}="
+            f"{given} ({type(encoder).__name__})"
+        )
+        fix = "the adapter was made for another image encoder: load the image encoder its weights name (e.g. image_encoder_folder=)"
+        findings.append(_finding("image_encoder", problem, fix, kind="model"))
+    return findings
+
+
+def _t2i_adapter_findings(pipe: Any) -> list[Finding]:
+    """A T2I-Adapter (each of a MultiAdapter) against the UNet it feeds: the SDXL layout for an SDXL-family UNet only."""
+    unet, adapter = getattr(pipe, "unet", None), getattr(pipe, "adapter", None)
+    if not isinstance(unet, torch.nn.Module) or not isinstance(adapter, torch.nn.Module):
+        return []
+    nets = getattr(adapter, "adapters", None)
+    listed = [("adapter", adapter)]
+    if isinstance(nets, torch.nn.ModuleList):
+        listed = [(f"adapter.adapters[{i}]", a) for i, a in enumerate(nets)]
+    xl = getattr(unet.config, "addition_embed_type", None) == "text_time"
+    findings = []
+    for name, net in listed:
+        layout = getattr(getattr(net, "config", None), "adapter_type", None)
+        if not isinstance(layout, str) or (layout == T2I_XL_LAYOUT) == xl:
+            continue
+        base = "SDXL" if xl else "SD1.x/2.x"
+        takes = T2I_XL_LAYOUT if xl else "full_adapter or light_adapter"
+        problem = f"{name}.config.adapter_type={layout!r} does not fit unet ({base}: it takes {takes})"
+        fix = f"the adapter was made for {'SD1.x/2.x' if xl else 'SDXL'}: load the T2I-Adapter made for {base}"
+        findings.append(_finding(name, problem, fix, kind="model"))
     return findings
 
 
@@ -464,6 +516,8 @@ class PipelineProxy(wrapt.ObjectProxy):
 
         findings += _conditioning_findings(pipe)
         findings += _consumer_findings(pipe)
+        findings += _ip_adapter_findings(pipe)
+        findings += _t2i_adapter_findings(pipe)
         findings += _component_dtypes(modules)
         self._self_findings = findings
         self._self_fingerprint = self._fingerprint()
@@ -577,7 +631,10 @@ class PipelineProxy(wrapt.ObjectProxy):
             ):
                 result = self.__wrapped__(*args, **kwargs)
         except BaseException:
-            self._end_interrupted()
+            try:
+                self._end_interrupted()
+            except Exception:  # never let the clean-up hide the call's own error
+                log.warning("torchfix.wrap: resetting diffusers' cache state after a failed call failed", exc_info=True)
             raise  # the pipeline's own error (or Ctrl-C), untouched
         finally:
             for h in hooks:

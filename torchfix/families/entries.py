@@ -12,7 +12,7 @@ from typing import Any
 
 from .spec import Blocks, Family, Width, register
 
-__all__ = ["LIKELY", "SHARED_CONDITIONING"]
+__all__ = ["IMAGE_PROJECTION_DEFAULT", "IMAGE_PROJECTION_READS", "LIKELY", "SHARED_CONDITIONING", "T2I_XL_LAYOUT"]
 
 IMAGE_TEXT = {"image": "hidden_states", "text": "encoder_hidden_states"}
 
@@ -48,6 +48,16 @@ SHARED_CONDITIONING = (
     ("projection_class_embeddings_input_dim", "pooled"),
     ("pooled_projection_dim", "pooled"),
 )
+
+# An IP-Adapter's image projection reads the image encoder's `image_embeds` (its config's projection_dim) where it is
+# diffusers' ImageProjection, else the penultimate hidden states (hidden_size), as the pipelines'
+# prepare_ip_adapter_image_embeds choose; FaceID projections read face embeddings, not the image encoder.
+IMAGE_PROJECTION_READS = {"ImageProjection": "projection_dim"}
+IMAGE_PROJECTION_DEFAULT = "hidden_size"
+
+# A T2I-Adapter's layout and the UNets it fits: full_adapter_xl for SDXL-family UNets (text_time conditioning), the
+# others for SD1.x/2.x.
+T2I_XL_LAYOUT = "full_adapter_xl"
 
 # --- UNets ---------------------------------------------------------------------------------------------------
 

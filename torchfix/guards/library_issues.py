@@ -16,7 +16,7 @@ import torch
 
 from .known_issues import _in_range, _span, parse_version
 
-__all__ = ["ROWS", "LibraryIssue", "cpu_build", "explain", "stale"]
+__all__ = ["CACHE_STATE", "CP_ON_CPU", "ROWS", "VAE_OVERFLOW", "LibraryIssue", "cpu_build", "explain", "stale"]
 
 
 def cpu_build() -> bool:
@@ -157,3 +157,6 @@ ROWS: tuple[LibraryIssue, ...] = (
         version_min="0.33.0",
     ),
 )
+
+# The rows by what they are about (the patches name them so, never by position).
+CP_ON_CPU, VAE_OVERFLOW, CACHE_STATE = ROWS

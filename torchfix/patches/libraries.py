@@ -142,7 +142,7 @@ _WATCHES: weakref.WeakKeyDictionary[torch.nn.Module, HookHandle] = weakref.WeakK
 
 def _reset_if_stale(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """A forward pre-hook: latents of another shape, dtype or device than the previous call's reset the diffusers
-    cache state on ``module`` first (:data:`torchfix.guards.library_issues.ROWS`, the cache row)."""
+    cache state on ``module`` first (:data:`torchfix.guards.library_issues.CACHE_STATE`)."""
     settings = _context.current()
     latents = _latents(args, kwargs)
     if not settings.active or latents is None or torch.compiler.is_compiling():
@@ -224,14 +224,14 @@ def _patch_module(name: str) -> None:
     module = sys.modules.get(name)
     if module is None:
         return
-    if name == _MODULE and li.explain(li.ROWS[0], _version())[0]:
+    if name == _MODULE and li.explain(li.CP_ON_CPU, _version())[0]:
         owner = getattr(module, "ModelMixin", None)
         _patch(owner, "_resolve_parallel_config", "diffusers ModelMixin._resolve_parallel_config", _resolve_on_cpu)
-    if name == _CACHES and li.explain(li.ROWS[2], _version())[0]:
+    if name == _CACHES and li.explain(li.CACHE_STATE, _version())[0]:
         owner = getattr(module, "CacheMixin", None)
         _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
         _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
-    if name.startswith(_AUTOENCODERS) and li.explain(li.ROWS[1], _version())[0]:
+    if name.startswith(_AUTOENCODERS) and li.explain(li.VAE_OVERFLOW, _version())[0]:
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
                 _patch(cls, "decode", f"diffusers {cls.__name__}.decode", _rescue_decode)
@@ -297,5 +297,8 @@ def remove() -> None:
 
 
 def installed() -> list[str]:
-    """Labels of the library patches in place."""
-    return [p.label for p in _PATCHES.values() if p.installed]
+    """Labels of the library patches in place (the autoencoders' ``decode`` patches as one)."""
+    labels = [p.label for p in _PATCHES.values() if p.installed]
+    decodes = [label for label in labels if label.endswith(".decode")]
+    rest = [label for label in labels if not label.endswith(".decode")]
+    return rest + ([f"diffusers <autoencoder>.decode ({len(decodes)} classes)"] if decodes else [])
