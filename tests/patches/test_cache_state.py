@@ -57,19 +57,49 @@ def cached(name):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_a_call_at_another_size_after_an_interrupted_one_runs_as_a_fresh_one(name):
+def test_a_call_after_an_interrupted_one_runs_as_a_fresh_one_at_any_size(name):
     fresh = run(cached(name), 96)
     with torchfix.enabled():  # import torchfix (enable_cache called while torchfix is on: watched)
         pipe = cached(name)
         with pytest.raises(KeyboardInterrupt):
             run(pipe, 64, stop_at=1)
-        again = run(pipe, 96)
-    assert torch.equal(again, fresh)
-    (event,) = [e for e in torchfix.report().events if e.guard == "cache"]
-    assert event.action == "reset" and event.module == "transformer" and "latents (1, 16, 64) → (1, 36, 64)" in event.detail
+        assert torch.equal(run(pipe, 96), fresh)  # another size (plain: FirstBlockCache crashes, MagCache/TaylorSeer differ)
+        with pytest.raises(KeyboardInterrupt):
+            run(pipe, 96, stop_at=2)
+        assert torch.equal(run(pipe, 96), fresh)  # the same size (plain: all but FirstBlockCache differ, silently)
+        assert torch.equal(run(pipe, 96), fresh)  # a call after a finished one: diffusers' own reset, nothing to do
+    events = [e for e in torchfix.report().events if e.guard == "cache"]
+    assert len(events) == 2 and all(e.action == "reset" and e.module == "transformer" for e in events)
+    assert all("did not finish" in e.detail and "maybe_free_model_hooks" in e.detail for e in events)
+
+
+def test_a_loop_of_ones_own_at_another_size_resets_the_state_first():
+    pipe = cached("FirstBlockCache")
+    model = pipe.transformer
+
+    def step(size):
+        tokens = (size // 16) ** 2
+        with model.cache_context("cond"):
+            return model(
+                hidden_states=torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(0)),
+                encoder_hidden_states=torch.zeros(1, 8, 64),
+                pooled_projections=torch.zeros(1, 32),
+                timestep=torch.tensor([0.5]),
+                img_ids=torch.zeros(tokens, 3),
+                txt_ids=torch.zeros(8, 3),
+                return_dict=False,
+            )[0]
+
+    step(64)
+    with pytest.raises(RuntimeError, match="must match the size"):  # plain diffusers: the 64² residual is still there
+        step(96)
     with torchfix.enabled():
-        assert torch.equal(run(pipe, 96), fresh)  # same latents as the last call: left alone
-    assert len([e for e in torchfix.report().events if e.guard == "cache"]) == 1
+        pipe = cached("FirstBlockCache")
+        model = pipe.transformer
+        step(64)
+        step(96)
+    (event,) = [e for e in torchfix.report().events if e.guard == "cache"]
+    assert "latents (1, 16, 64) → (1, 36, 64)" in event.detail
 
 
 def test_plain_diffusers_crashes_there_and_a_wrapped_call_that_raises_leaves_no_state():
@@ -98,7 +128,7 @@ def test_strict_refuses_naming_the_change_and_disable_takes_the_watch_away():
         assert pipe.transformer._forward_pre_hooks
         with pytest.raises(KeyboardInterrupt):
             run(pipe, 64, stop_at=1)
-        with torchfix.enabled(mode="strict"), pytest.raises(torchfix.ModelMismatchError, match=r"latents \(1, 16, 64\) → \(1, 36, 64\)"):
+        with torchfix.enabled(mode="strict"), pytest.raises(torchfix.ModelMismatchError, match=r"a call that did not finish"):
             run(pipe, 96)
         pipe.transformer.disable_cache()
         assert not pipe.transformer._forward_pre_hooks

@@ -135,24 +135,29 @@ ROWS: tuple[LibraryIssue, ...] = (
     ),
     LibraryIssue(
         library="diffusers",
-        where="diffusers.models.cache_utils:CacheMixin.enable_cache",
+        where=(
+            "diffusers.models.cache_utils:CacheMixin.enable_cache, disable_cache, _reset_stateful_cache; "
+            "diffusers.pipelines.pipeline_utils:DiffusionPipeline.progress_bar"
+        ),
         issue="torchfix: diffusers cache state after an interrupted call",
         description=(
             "diffusers' cache hooks (FirstBlockCache, TaylorSeer, MagCache, FasterCache, PAB, ...) keep tensors from the "
             "previous call and reset them only in maybe_free_model_hooks() at the end of a pipeline call; a call that "
             "raises or is interrupted (Ctrl-C, a callback that stops it), or a loop that calls the denoiser itself, "
-            "leaves them, and the next call at another size crashes deep inside (FirstBlockCache: 'The size of tensor a "
-            "(36) must match the size of tensor b (16)') or mixes states silently"
+            "leaves them: the next call at another size crashes inside FirstBlockCache ('The size of tensor a (36) must "
+            "match the size of tensor b (16)'), and TaylorSeer, MagCache, FasterCache and PAB return another result than "
+            "a fresh pipeline, silently (measured here: MagCache max |diff| 0.197 on a tiny Flux)"
         ),
         fix=(
-            "a denoiser with a diffusers cache whose call brings latents of another shape, dtype or device than its "
-            "previous call gets its cache state reset first (diffusers' own _reset_stateful_cache), recorded as an "
-            "event (strict: ModelMismatchError); calls with the same latents are left alone"
+            "a cache enabled while torchfix is on is watched: the denoising loop of a pipeline call (progress_bar) resets "
+            "the state of a denoiser that ran since diffusers' last end-of-call reset, and a denoiser call whose latents "
+            "differ in shape, dtype or device from its previous call (a loop of one's own) resets it first; with "
+            "diffusers' reset done, calls are left alone; recorded as events (strict: ModelMismatchError)"
         ),
         basis=(
-            "found here with diffusers 0.42.1 (an interrupted FirstBlockCache call, then another size); the end-of-call "
-            "reset is diffusers' own design (pipeline_utils.maybe_free_model_hooks); ESTIMATE: every version with "
-            "CacheMixin (0.33.0 on), not fixed in 0.42.1"
+            "found here with diffusers 0.42.1 (a tiny Flux, each cache, a call interrupted at step 1 or 2 then another "
+            "at the same or another size, compared with a fresh pipeline); the end-of-call reset is diffusers' own design "
+            "(pipeline_utils.maybe_free_model_hooks); ESTIMATE: every version with CacheMixin (0.33.0 on), not fixed in 0.42.1"
         ),
         version_min="0.33.0",
     ),

@@ -19,12 +19,22 @@ import torch
 from .. import _context, _frames, _warn
 from .._report import FixEvent, report
 from ..errors import ModelMismatchError
+from ..families import DENOISERS
 from ..guards import library_issues as li
 from ..runtime import finite
 from .core import Patch
 from .instance import HookHandle, add_hook
 
-__all__ = ["foreign_cache_hooks", "has_cache_state", "install", "installed", "remove", "reset_cache_state", "watch_cache"]
+__all__ = [
+    "foreign_cache_hooks",
+    "has_cache_state",
+    "install",
+    "installed",
+    "remove",
+    "reset_cache_state",
+    "reset_unfinished",
+    "watch_cache",
+]
 
 log = logging.getLogger("torchfix")
 
@@ -176,6 +186,61 @@ def watch_cache(model: torch.nn.Module) -> HookHandle | None:
     return add_hook(model, _reset_if_stale, pre=True, with_kwargs=True)
 
 
+def _marking_clean(original: Any) -> Any:
+    @functools.wraps(original)
+    def _reset_stateful_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _SIGNATURES.pop(self, None)  # diffusers' own reset (the end of a pipeline call): the state is clean
+        return result
+
+    return _reset_stateful_cache
+
+
+def _fresh_loop(original: Any) -> Any:
+    """``DiffusionPipeline.progress_bar``, which every pipeline opens around its denoising loop: a denoiser whose
+    diffusers cache ran since diffusers last reset it (the call before did not finish) is reset first."""
+
+    @functools.wraps(original)
+    def progress_bar(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bar = original(self, *args, **kwargs)
+        if _context.current().active:
+            reset_unfinished(self)
+        return bar
+
+    return progress_bar
+
+
+def reset_unfinished(pipe: Any) -> None:
+    """Reset the diffusers cache state of each denoiser of ``pipe`` that ran since diffusers' last end-of-call reset
+    (so the call before this one did not finish: an exception, Ctrl-C, a callback that stopped it)."""
+    components = getattr(pipe, "components", None)
+    if not isinstance(components, dict):
+        return
+    for name in DENOISERS:
+        model = components.get(name)
+        if not isinstance(model, torch.nn.Module) or model not in _SIGNATURES:
+            continue
+        hooks = foreign_cache_hooks(model)
+        _SIGNATURES.pop(model, None)
+        if not hooks:
+            continue
+        _reset(hooks)
+        kinds = ", ".join(sorted({type(h).__name__ for _, h in hooks}))
+        detail = (
+            f"{name}'s diffusers cache ({kinds}) still held the state of a call that did not finish (no end-of-call "
+            "reset since its last step) → reset at the start of this denoising loop, as maybe_free_model_hooks() would "
+            "have: this call runs as a fresh one"
+        )
+        site = _frames.call_site(3)
+        settings = _context.current()
+        if settings.mode == "strict":
+            raise ModelMismatchError(f"torchfix: {detail.split(' → ')[0]}. To fix: pipe.{name}._reset_stateful_cache() before this call.")
+        report().add(FixEvent("torchfix", "cache", "reset", site, name, detail))
+        log.info("torchfix: %s", detail)
+        if settings.mode == "warn":
+            _warn.once(("unfinished-cache", name), f"torchfix: {detail}.", site=site)
+
+
 def _watching_enable(original: Any) -> Any:
     @functools.wraps(original)
     def enable_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -205,6 +270,7 @@ def _watching_disable(original: Any) -> Any:
 _PATCHES: dict[str, Patch] = {}
 _AUTOENCODERS = "diffusers.models.autoencoders."
 _CACHES = "diffusers.models.cache_utils"
+_PIPELINES = "diffusers.pipelines.pipeline_utils"
 
 
 def _version() -> str | None:
@@ -231,6 +297,9 @@ def _patch_module(name: str) -> None:
         owner = getattr(module, "CacheMixin", None)
         _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
         _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
+        _patch(owner, "_reset_stateful_cache", "diffusers CacheMixin._reset_stateful_cache", _marking_clean)
+    if name == _PIPELINES and li.explain(li.CACHE_STATE, _version())[0]:
+        _patch(getattr(module, "DiffusionPipeline", None), "progress_bar", "diffusers DiffusionPipeline.progress_bar", _fresh_loop)
     if name.startswith(_AUTOENCODERS) and li.explain(li.VAE_OVERFLOW, _version())[0]:
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
@@ -238,7 +307,7 @@ def _patch_module(name: str) -> None:
 
 
 def _watched(name: str) -> bool:
-    return name in (_MODULE, _CACHES) or name.startswith(_AUTOENCODERS)
+    return name in (_MODULE, _CACHES, _PIPELINES) or name.startswith(_AUTOENCODERS)
 
 
 def _patch_loaded() -> None:
