@@ -168,3 +168,34 @@ def test_a_t2i_adapter_for_another_base_is_named():
     xl = T2IAdapter(in_channels=3, channels=[8, 16, 32, 32], num_res_blocks=1, downscale_factor=16, adapter_type="full_adapter_xl")
     pipe = StableDiffusionXLAdapterPipeline(**base.components, adapter=xl)
     assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "adapter"]
+
+
+def test_under_import_torchfix_the_same_checks_run_before_step_0():
+    pipe = sdxl_with_sd15_controlnet()
+    calls = []
+    pipe.controlnet.register_forward_pre_hook(lambda *a: calls.append(1))
+    with torchfix.enabled(), pytest.raises(torchfix.ModelMismatchError, match=r"controlnet\.config\.cross_attention_dim") as info:
+        latents(pipe, steps=1, image=torch.rand(1, 3, 64, 64))
+    assert "before step 0" in str(info.value) and not calls
+    with torchfix.enabled(mode="off"), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        latents(pipe, steps=1, image=torch.rand(1, 3, 64, 64))  # torchfix off: diffusers' own failure
+
+
+def test_under_import_torchfix_a_pipeline_without_its_encoders_is_not_refused():
+    # SDXL with its text encoders dropped to save memory, embeddings passed in: nothing is missing for this call
+    pipe = tiny_sdxl_pipeline()
+    embeds, negative, pooled, negative_pooled = pipe.encode_prompt("a cat", device="cpu", num_images_per_prompt=1)
+    pipe.text_encoder, pipe.text_encoder_2 = None, None
+    kwargs = dict(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=negative,
+        pooled_prompt_embeds=pooled,
+        negative_pooled_prompt_embeds=negative_pooled,
+        num_inference_steps=1,
+        height=64,
+        width=64,
+        output_type="latent",
+    )
+    plain = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    with torchfix.enabled():
+        assert torch.equal(pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images, plain)

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import wrapt
 
-from . import _context, _frames, _kept, _model, _warn, deepcache, families
+from . import _context, _frames, _kept, _model, _warn, deepcache, preflight
 from ._context import current
-from ._frames import uncompiled
 from ._report import FixEvent, report
 from ._state import enabled
 from ._text import dtype_name as _dt
@@ -46,7 +45,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .families import DENOISERS
-from .families.entries import IMAGE_PROJECTION_DEFAULT, IMAGE_PROJECTION_READS, LIKELY, SHARED_CONDITIONING, T2I_XL_LAYOUT
+from .families.entries import LIKELY
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
 from .patches import libraries
@@ -58,10 +57,7 @@ __all__ = ["Finding", "PipelineProxy", "wrap"]
 log = logging.getLogger("torchfix")
 
 
-def _finding(component: str, problem: str, fix: str, applied: bool = False, kind: str = "dtype") -> Finding:
-    """One preflight result: which component, what is wrong, what was (or must be) done, and
-    ``kind`` (``dtype``, ``device`` or ``model``: which error it raises unfixed)."""
-    return Finding(kind, problem, fix, component=component, applied=applied)
+_finding = preflight.finding
 
 
 def _modules(pipe: Any) -> dict[str, torch.nn.Module]:
@@ -77,158 +73,6 @@ def _has_accelerate_hook(module: torch.nn.Module) -> bool:
 
 
 _POOLED_KEYS = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-
-
-def _width(module: Any, attribute: str = "hidden_size") -> int | None:
-    config = getattr(module, "config", None)
-    value = getattr(config, attribute, None) if config is not None else None
-    if value is None and attribute == "hidden_size":
-        value = getattr(config, "d_model", None)  # T5
-    return value if isinstance(value, int) else None
-
-
-def _denoiser(pipe: Any) -> tuple[str, families.Family] | None:
-    """The pipeline's (first) denoiser component and its family, where torchfix knows it."""
-    for name in DENOISERS:
-        model = getattr(pipe, name, None)
-        if isinstance(model, torch.nn.Module) and (family := families.find(uncompiled(model))) is not None:
-            return name, family
-    return None
-
-
-def _expected_widths(pipe: Any) -> dict[str, tuple[int, str]]:
-    """The widths the denoiser takes: ``text`` (prompt_embeds) and ``pooled`` (pooled_prompt_embeds), each with
-    the config entries it comes from (its family's registry entry says which)."""
-    found = _denoiser(pipe)
-    return {} if found is None else found[1].expected_widths(pipe, found[0])
-
-
-_MISMATCH_FIX = "these components come from different models: load the text encoder(s) and the denoiser of one model"
-
-
-def _conditioning_findings(pipe: Any) -> list[Finding]:
-    """Each conditioning the denoiser consumes (its family's :class:`torchfix.families.Width` entries) against the
-    components that make it: widths that do not add up are a finding that names both."""
-    found = _denoiser(pipe)
-    if found is None:
-        return []
-    name, family = found
-    findings = []
-    for width in family.widths:
-        expected = width.expected(pipe, name)
-        if expected is None:
-            continue
-        feeds = [(n, w) for n in width.feeds if (w := _width(getattr(pipe, n, None), width.attr)) is not None]
-        kind = "output" if width.what == "text" else "pooled"
-        if not feeds:
-            if width.required and all(getattr(pipe, n, None) is None for n in width.feeds):
-                problem = f"{name} takes {width.what} embeddings ({expected[1]}), but there is no {' or '.join(width.feeds)}"
-                fix = f"use the {family.title} pipeline with its {' and '.join(width.feeds)}"
-                findings.append(_finding(name, problem, fix, kind="model"))
-            continue
-        total = sum(w for _, w in feeds)
-        if total == expected[0] or (width.padded and total < expected[0]):
-            continue
-        what = f"{feeds[0][0]} ({width.label}) {kind} width {total}" if len(feeds) == 1 else (
-            f"{width.label} {kind} width {' + '.join(f'{n} {w}' for n, w in feeds)} = {total}"
-        )
-        relation = "is wider than" if width.padded else "does not match"
-        findings.append(_finding(name, f"{what} {relation} {expected[1]}", _MISMATCH_FIX, kind="model"))
-    return findings
-
-
-def _config_int(module: Any, entry: str) -> int | None:
-    config = getattr(module, "config", None)
-    value = config.get(entry) if hasattr(config, "get") else getattr(config, entry, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _consumers(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
-    """Side models that read the same prompt conditioning as the denoiser: a ControlNet, each net of a
-    Multi-ControlNet."""
-    model = getattr(pipe, "controlnet", None)
-    nets = getattr(model, "nets", None)
-    if isinstance(nets, torch.nn.ModuleList):
-        return [(f"controlnet.nets[{i}]", net) for i, net in enumerate(nets)]
-    return [("controlnet", model)] if isinstance(model, torch.nn.Module) else []
-
-
-def _consumer_findings(pipe: Any) -> list[Finding]:
-    """Each side model that consumes the prompt conditioning checked against the denoiser it feeds (the config
-    entries of :data:`torchfix.families.entries.SHARED_CONDITIONING`): a ControlNet made for another base model
-    fails deep inside its first attention (``mat1 and mat2 shapes cannot be multiplied (154x2048 and 768x320)``)."""
-    denoiser = next(((n, m) for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
-    if denoiser is None:
-        return []
-    dname, dmodel = denoiser
-    findings = []
-    for cname, net in _consumers(pipe):
-        for entry, what in SHARED_CONDITIONING:
-            theirs, ours = _config_int(net, entry), _config_int(dmodel, entry)
-            if theirs is None or ours is None or theirs == ours:
-                continue
-            likely = LIKELY.get((what, theirs)) if entry != "projection_class_embeddings_input_dim" else None
-            base = LIKELY.get((what, ours)) if entry != "projection_class_embeddings_input_dim" else None
-            problem = (
-                f"{cname}.config.{entry}={theirs} does not match {dname}.config.{entry}={ours}: both read the pipeline's "
-                f"{what} embeddings"
-            )
-            made = f"{cname} was likely made for {likely}" if likely else f"{cname} was likely made for another base model"
-            fix = f"{made}{f', the pipeline is {base}' if base else ''}: load the {type(net).__name__} made for this pipeline's base model"
-            findings.append(_finding(cname, problem, fix, kind="model"))
-    return findings
-
-
-def _first_linear(module: torch.nn.Module) -> torch.nn.Linear | None:
-    return next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
-
-
-def _ip_adapter_findings(pipe: Any) -> list[Finding]:
-    """Each IP-Adapter image projection loaded into the denoiser against the image encoder that feeds it (a plus
-    adapter reads hidden states, a plain one ``image_embeds``): an adapter for another image encoder fails inside
-    its first layer."""
-    denoiser = next((m for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
-    encoder = getattr(pipe, "image_encoder", None)
-    layers = getattr(getattr(denoiser, "encoder_hid_proj", None), "image_projection_layers", None)
-    if not isinstance(encoder, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList):
-        return []
-    findings = []
-    for i, layer in enumerate(layers):
-        kind = type(layer).__name__
-        reads = IMAGE_PROJECTION_READS.get(kind, IMAGE_PROJECTION_DEFAULT)
-        first, given = _first_linear(layer), _config_int(encoder, reads)
-        if "FaceID" in kind or first is None or given is None or first.in_features == given:
-            continue
-        problem = (
-            f"IP-Adapter {i} ({kind}) takes image features of width {first.in_features}, but image_encoder.config.{reads}="
-            f"{given} ({type(encoder).__name__})"
-        )
-        fix = "the adapter was made for another image encoder: load the image encoder its weights name (e.g. image_encoder_folder=)"
-        findings.append(_finding("image_encoder", problem, fix, kind="model"))
-    return findings
-
-
-def _t2i_adapter_findings(pipe: Any) -> list[Finding]:
-    """A T2I-Adapter (each of a MultiAdapter) against the UNet it feeds: the SDXL layout for an SDXL-family UNet only."""
-    unet, adapter = getattr(pipe, "unet", None), getattr(pipe, "adapter", None)
-    if not isinstance(unet, torch.nn.Module) or not isinstance(adapter, torch.nn.Module):
-        return []
-    nets = getattr(adapter, "adapters", None)
-    listed = [("adapter", adapter)]
-    if isinstance(nets, torch.nn.ModuleList):
-        listed = [(f"adapter.adapters[{i}]", a) for i, a in enumerate(nets)]
-    xl = getattr(unet.config, "addition_embed_type", None) == "text_time"
-    findings = []
-    for name, net in listed:
-        layout = getattr(getattr(net, "config", None), "adapter_type", None)
-        if not isinstance(layout, str) or (layout == T2I_XL_LAYOUT) == xl:
-            continue
-        base = "SDXL" if xl else "SD1.x/2.x"
-        takes = T2I_XL_LAYOUT if xl else "full_adapter or light_adapter"
-        problem = f"{name}.config.adapter_type={layout!r} does not fit unet ({base}: it takes {takes})"
-        fix = f"the adapter was made for {'SD1.x/2.x' if xl else 'SDXL'}: load the T2I-Adapter made for {base}"
-        findings.append(_finding(name, problem, fix, kind="model"))
-    return findings
 
 
 def _component_dtypes(modules: dict[str, torch.nn.Module]) -> list[Finding]:
@@ -342,7 +186,7 @@ def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
     scale = getattr(pipe, "vae_scale_factor", None)
     if not hasattr(transformer, "config") or not isinstance(scale, int):
         return None
-    found = _denoiser(pipe)
+    found = preflight.denoiser(pipe)
     packed = found[1].packed if found is not None else 0  # Flux packs 2×2 latent pixels into a token
     if packed and getattr(pipe, "controlnet", None) is None:
         return None
@@ -514,10 +358,7 @@ class PipelineProxy(wrapt.ObjectProxy):
         for module in modules.values():
             self._self_marks += _kept.mark_model(module)
 
-        findings += _conditioning_findings(pipe)
-        findings += _consumer_findings(pipe)
-        findings += _ip_adapter_findings(pipe)
-        findings += _t2i_adapter_findings(pipe)
+        findings += preflight.conditioning(pipe)
         findings += _component_dtypes(modules)
         self._self_findings = findings
         self._self_fingerprint = self._fingerprint()
@@ -558,7 +399,7 @@ class PipelineProxy(wrapt.ObjectProxy):
                 f"torchfix: max_sequence_length={length} is longer than {name}.model_max_length={limit} (the T5 tokenizer "
                 f"of {type(pipe).__name__}): the prompt would be cut to {limit} tokens silently. Pass max_sequence_length <= {limit}."
             )
-        expected = _expected_widths(pipe)
+        expected = preflight.expected_widths(pipe)
         for group, keys in (("text", ("prompt_embeds", "negative_prompt_embeds")), ("pooled", _POOLED_KEYS)):
             want = expected.get(group)
             if want is None:

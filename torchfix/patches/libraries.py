@@ -2,6 +2,8 @@
 installed with the other patches (``import torchfix``) where the library is loaded already, or the moment it is
 imported later (a finder on ``sys.meta_path``, wrapt's post-import hook idea: a script imports torchfix first, then
 diffusers). Removed with the others: every patched attribute ``is`` the original again, and the finder is gone.
+Beside the rows, ``DiffusionPipeline.progress_bar`` (every pipeline opens it before its first step) is where plain
+``import torchfix`` runs the conditioning preflight (:mod:`torchfix.preflight`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import _context, _frames, _warn
+from .. import _context, _frames, _warn, preflight
 from .._report import FixEvent, report
 from ..errors import ModelMismatchError
 from ..families import DENOISERS
@@ -197,13 +199,19 @@ def _marking_clean(original: Any) -> Any:
 
 
 def _fresh_loop(original: Any) -> Any:
-    """``DiffusionPipeline.progress_bar``, which every pipeline opens around its denoising loop: a denoiser whose
-    diffusers cache ran since diffusers last reset it (the call before did not finish) is reset first."""
+    """``DiffusionPipeline.progress_bar``, which every pipeline opens around its denoising loop (its encoders have run,
+    no step has): the conditioning preflight (:func:`torchfix.preflight.refusal`, once per set of components) refuses
+    components that do not fit, and a denoiser whose diffusers cache ran since diffusers last reset it (the call
+    before did not finish) is reset first."""
 
     @functools.wraps(original)
     def progress_bar(self: Any, *args: Any, **kwargs: Any) -> Any:
         bar = original(self, *args, **kwargs)
         if _context.current().active:
+            refused = preflight.refusal(self)  # before step 0: a side model for another base fails inside it
+            if refused is not None:
+                bar.close()
+                raise ModelMismatchError(refused)
             reset_unfinished(self)
         return bar
 
@@ -298,7 +306,7 @@ def _patch_module(name: str) -> None:
         _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
         _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
         _patch(owner, "_reset_stateful_cache", "diffusers CacheMixin._reset_stateful_cache", _marking_clean)
-    if name == _PIPELINES and li.explain(li.CACHE_STATE, _version())[0]:
+    if name == _PIPELINES:  # the import-mode preflight, and the cache row's loop-start reset (a no-op without its watch)
         _patch(getattr(module, "DiffusionPipeline", None), "progress_bar", "diffusers DiffusionPipeline.progress_bar", _fresh_loop)
     if name.startswith(_AUTOENCODERS) and li.explain(li.VAE_OVERFLOW, _version())[0]:
         for cls in list(vars(module).values()):
