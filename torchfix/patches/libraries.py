@@ -285,8 +285,24 @@ def _version() -> str | None:
     return getattr(sys.modules.get("diffusers"), "__version__", None)
 
 
+_FORCE: dict[str, bool] = {}
+
+
+def _in_force(row: li.LibraryIssue) -> bool:
+    """Whether ``row`` is in force with the loaded diffusers (asked once it is known: neither changes in a process)."""
+    if row.issue not in _FORCE:
+        version = _version()
+        if version is None:
+            return False
+        _FORCE[row.issue] = li.explain(row, version)[0]
+    return _FORCE[row.issue]
+
+
 def _patch(owner: Any, name: str, label: str, make: Any) -> None:
-    if label in _PATCHES or not callable(getattr(owner, name, None)):
+    if label in _PATCHES:
+        _PATCHES[label].install()  # kept from an earlier install: the same Patch again
+        return
+    if not callable(getattr(owner, name, None)):
         return
     patch = Patch(owner, name, label, make)
     patch.install()
@@ -298,17 +314,17 @@ def _patch_module(name: str) -> None:
     module = sys.modules.get(name)
     if module is None:
         return
-    if name == _MODULE and li.explain(li.CP_ON_CPU, _version())[0]:
+    if name == _MODULE and _in_force(li.CP_ON_CPU):
         owner = getattr(module, "ModelMixin", None)
         _patch(owner, "_resolve_parallel_config", "diffusers ModelMixin._resolve_parallel_config", _resolve_on_cpu)
-    if name == _CACHES and li.explain(li.CACHE_STATE, _version())[0]:
+    if name == _CACHES and _in_force(li.CACHE_STATE):
         owner = getattr(module, "CacheMixin", None)
         _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
         _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
         _patch(owner, "_reset_stateful_cache", "diffusers CacheMixin._reset_stateful_cache", _marking_clean)
     if name == _PIPELINES:  # the import-mode preflight, and the cache row's loop-start reset (a no-op without its watch)
         _patch(getattr(module, "DiffusionPipeline", None), "progress_bar", "diffusers DiffusionPipeline.progress_bar", _fresh_loop)
-    if name.startswith(_AUTOENCODERS) and li.explain(li.VAE_OVERFLOW, _version())[0]:
+    if name.startswith(_AUTOENCODERS) and _in_force(li.VAE_OVERFLOW):
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
                 _patch(cls, "decode", f"diffusers {cls.__name__}.decode", _rescue_decode)
@@ -318,8 +334,18 @@ def _watched(name: str) -> bool:
     return name in (_MODULE, _CACHES, _PIPELINES) or name.startswith(_AUTOENCODERS)
 
 
+# the watched modules seen loaded, and how many modules were loaded at the last look (a look is a scan of
+# sys.modules: ~5,000 names with diffusers, so it is made only when that number changed)
+_SEEN: list[str] = []
+_LOOKED = [0]
+
+
 def _patch_loaded() -> None:
-    for name in [n for n in list(sys.modules) if _watched(n)]:
+    if len(sys.modules) != _LOOKED[0]:
+        seen = set(_SEEN)
+        _SEEN.extend(n for n in list(sys.modules) if n not in seen and _watched(n))
+        _LOOKED[0] = len(sys.modules)
+    for name in _SEEN:
         _patch_module(name)
 
 
@@ -345,6 +371,8 @@ class _Finder(importlib.abc.MetaPathFinder):
             def exec_module(self, module: Any) -> None:
                 loader.exec_module(module)
                 if _FINDER in sys.meta_path:
+                    if name not in _SEEN:
+                        _SEEN.append(name)
                     _patch_module(name)
 
         spec.loader = _Loader()
@@ -366,8 +394,7 @@ def remove() -> None:
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     for patch in _PATCHES.values():
-        patch.remove()
-    _PATCHES.clear()
+        patch.remove()  # kept (removed) for the next install
     for handle in list(_WATCHES.values()):
         handle.restore()
     _WATCHES.clear()
