@@ -110,7 +110,6 @@ _HANDOVER_KWARGS = (
     "controlnet_block_samples",
     "controlnet_single_block_samples",
 )
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _cast_handover(value: Any, receiver: torch.dtype | None, seen: list[torch.Tensor]) -> Any:
@@ -490,16 +489,10 @@ class PipelineProxy(wrapt.ObjectProxy):
         """A wrapped call that raised (or was interrupted) never reached diffusers' end-of-call reset of its cache
         hooks (``maybe_free_model_hooks``): do that reset for it, so the next call starts fresh at any size."""
         modules = _modules(self.__wrapped__)
+        why = "held the state of a call that raised before diffusers' end-of-call reset"
         for name in DENOISERS:
-            model = modules.get(name)
-            reset = libraries.reset_cache_state(model) if model is not None else []
-            if reset:
-                detail = (
-                    f"the call raised before diffusers' end-of-call reset: the state of {', '.join(reset)} reset, as "
-                    "maybe_free_model_hooks() does at the end of a call (the next call starts fresh)"
-                )
-                report().add(FixEvent("torchfix.wrap", "cache", "reset", _frames.call_site(2), name, detail))
-                log.info("torchfix.wrap: %s: %s", name, detail)
+            if (model := modules.get(name)) is not None:
+                libraries.reset_cache_state(model, name, why, _frames.call_site(2))
 
     # --- during one call ---------------------------------------------------------------------
 

@@ -139,12 +139,30 @@ def _reset(hooks: list[tuple[torch.nn.Module, Any]]) -> None:
         manager.set_context(context)
 
 
-def reset_cache_state(model: torch.nn.Module) -> list[str]:
-    """Reset the state of every diffusers cache hook on ``model`` (torchfix's own left out), as diffusers'
-    ``maybe_free_model_hooks`` does at the end of a pipeline call; the hooks' class names."""
-    hooks = foreign_cache_hooks(model)
+def _cache_reset(
+    name: str, hooks: list[tuple[torch.nn.Module, Any]], why: str, site: str, *, change: str = "", op: str = "torchfix", refuse: bool = True
+) -> None:
+    """Reset ``hooks`` (the diffusers caches on the denoiser ``name``) and record it: an event, a log line, a warning in
+    ``warn`` mode; in ``strict`` (where ``refuse``) a :class:`torchfix.ModelMismatchError` instead, naming the fix."""
+    settings = _context.current()
+    problem = f"{name}'s diffusers cache ({', '.join(sorted({type(h).__name__ for _, h in hooks}))}) {why}"
+    if refuse and settings.mode == "strict":
+        raise ModelMismatchError(f"torchfix: {problem}. To fix: {name}._reset_stateful_cache() before this call, or let calls finish.")
     _reset(hooks)
-    return sorted({type(h).__name__ for _, h in hooks})
+    detail = f"{problem} → reset first, as maybe_free_model_hooks() does at the end of a call: this call runs as a fresh one"
+    report().add(FixEvent(op, "cache", "reset", site, name, detail, change=change))
+    log.info("%s: %s", op, detail)
+    if settings.mode == "warn":
+        _warn.once(("cache-reset", name, why[:12]), f"{op}: {detail}.", site=site)
+
+
+def reset_cache_state(model: torch.nn.Module, name: str, why: str, site: str) -> None:
+    """Reset the state of every diffusers cache hook on ``model`` (torchfix's own left out), as diffusers'
+    ``maybe_free_model_hooks`` does at the end of a pipeline call, and record it for ``torchfix.wrap``."""
+    hooks = foreign_cache_hooks(model)
+    if hooks:
+        _SIGNATURES.pop(model, None)
+        _cache_reset(name, hooks, why, site, op="torchfix.wrap", refuse=False)
 
 
 # denoiser -> the latent signature of its previous call; denoiser -> the watch enable_cache put on it
@@ -165,19 +183,8 @@ def _reset_if_stale(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
     hooks = foreign_cache_hooks(module) if change is not None else []
     if not hooks:
         return None
-    name, site = _frames.owner([module])[1], _frames.call_site(2)
-    problem = f"{name}'s diffusers cache holds state from a call with other latents ({change})"
-    if settings.mode == "strict":
-        raise ModelMismatchError(
-            f"torchfix: {problem}: the previous call did not finish (diffusers resets it at the end of a pipeline call). "
-            f"To fix: {name}._reset_stateful_cache() before this call, or let calls finish."
-        )
-    _reset(hooks)
-    detail = f"{problem} → reset it first (as diffusers does at the end of a call), this call runs as a fresh one"
-    report().add(FixEvent("torchfix", "cache", "reset", site, name, detail, change=change))
-    log.info("torchfix: %s: %s", name, detail)
-    if settings.mode == "warn":
-        _warn.once(("stale-cache", name), f"torchfix: {detail}.", site=site)
+    why = f"holds state from a call with other latents ({change})"
+    _cache_reset(_frames.owner([module])[1], hooks, why, _frames.call_site(2), change=change)
     return None
 
 
@@ -232,21 +239,8 @@ def reset_unfinished(pipe: Any) -> None:
         _SIGNATURES.pop(model, None)
         if not hooks:
             continue
-        _reset(hooks)
-        kinds = ", ".join(sorted({type(h).__name__ for _, h in hooks}))
-        detail = (
-            f"{name}'s diffusers cache ({kinds}) still held the state of a call that did not finish (no end-of-call "
-            "reset since its last step) → reset at the start of this denoising loop, as maybe_free_model_hooks() would "
-            "have: this call runs as a fresh one"
-        )
-        site = _frames.call_site(3)
-        settings = _context.current()
-        if settings.mode == "strict":
-            raise ModelMismatchError(f"torchfix: {detail.split(' → ')[0]}. To fix: pipe.{name}._reset_stateful_cache() before this call.")
-        report().add(FixEvent("torchfix", "cache", "reset", site, name, detail))
-        log.info("torchfix: %s", detail)
-        if settings.mode == "warn":
-            _warn.once(("unfinished-cache", name), f"torchfix: {detail}.", site=site)
+        why = "still held the state of a call that did not finish (no end-of-call reset since its last step)"
+        _cache_reset(name, hooks, why, _frames.call_site(3))
 
 
 def _watching_enable(original: Any) -> Any:
