@@ -34,8 +34,10 @@ def test_an_sd15_controlnet_on_an_sdxl_pipeline_is_refused_before_step_0_naming_
     pipe.controlnet.register_forward_pre_hook(lambda *a: calls.append(1))
     w = torchfix.wrap(pipe)
     (finding,) = [f for f in w.preflight() if f.component == "controlnet"]
-    assert f"controlnet.config.cross_attention_dim={TEXT_DIM} does not match unet.config.cross_attention_dim={2 * TEXT_DIM}" in str(finding)
-    with pytest.raises(torchfix.ModelMismatchError, match=r"controlnet\.config\.cross_attention_dim") as info:
+    text = str(finding)
+    assert f"controlnet reads the text embeddings at width {TEXT_DIM} (controlnet.down_blocks.0" in text
+    assert f"unet at {2 * TEXT_DIM} (unet.down_blocks.1" in text and "attn2.to_k.in_features" in text
+    with pytest.raises(torchfix.ModelMismatchError, match=r"controlnet reads the text embeddings at width") as info:
         latents(w, steps=1, image=image)
     assert "ControlNetModel made for this pipeline's base model" in str(info.value)
     assert not calls  # refused before any component ran
@@ -150,7 +152,7 @@ def test_an_ip_adapter_for_another_image_encoder_is_named():
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # plain: inside the projection
         projection(embeds)
     (finding,) = [f for f in torchfix.wrap(pipe).preflight() if f.component == "image_encoder"]
-    assert "IP-Adapter 0 (ImageProjection) takes image features of width 24, but image_encoder.config.projection_dim=12" in str(finding)
+    assert "IP-Adapter 0 (ImageProjection) takes image features of width 24, but the image encoder's projection_dim is 12" in str(finding)
     pipe.register_modules(image_encoder=encoder(projection_dim=24))
     assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "image_encoder"]
 
@@ -163,7 +165,7 @@ def test_a_t2i_adapter_for_another_base_is_named():
     pipe = StableDiffusionXLAdapterPipeline(**base.components, adapter=adapter)
     pipe.set_progress_bar_config(disable=True)
     (finding,) = [f for f in torchfix.wrap(pipe).preflight() if f.component == "adapter"]
-    assert "adapter.config.adapter_type='full_adapter' does not fit unet (SDXL: it takes full_adapter_xl)" in str(finding)
+    assert "adapter is a SD1.x/2.x T2I-Adapter (FullAdapter), unet is SDXL: it takes full_adapter_xl" in str(finding)
     assert "made for SD1.x/2.x" in finding.fix
     xl = T2IAdapter(in_channels=3, channels=[8, 16, 32, 32], num_res_blocks=1, downscale_factor=16, adapter_type="full_adapter_xl")
     pipe = StableDiffusionXLAdapterPipeline(**base.components, adapter=xl)
@@ -174,7 +176,7 @@ def test_under_import_torchfix_the_same_checks_run_before_step_0():
     pipe = sdxl_with_sd15_controlnet()
     calls = []
     pipe.controlnet.register_forward_pre_hook(lambda *a: calls.append(1))
-    with torchfix.enabled(), pytest.raises(torchfix.ModelMismatchError, match=r"controlnet\.config\.cross_attention_dim") as info:
+    with torchfix.enabled(), pytest.raises(torchfix.ModelMismatchError, match=r"controlnet reads the text embeddings") as info:
         latents(pipe, steps=1, image=torch.rand(1, 3, 64, 64))
     assert "before step 0" in str(info.value) and not calls
     with torchfix.enabled(mode="off"), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
@@ -199,3 +201,17 @@ def test_under_import_torchfix_a_pipeline_without_its_encoders_is_not_refused():
     plain = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     with torchfix.enabled():
         assert torch.equal(pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images, plain)
+
+
+def test_a_config_that_disagrees_with_its_weights_decides_nothing():
+    # the ControlNet's config claims another width than its weights read: diffusers runs it; torchfix must too
+    base = tiny_sdxl_pipeline()
+    controlnet = ControlNetModel.from_unet(base.unet, conditioning_embedding_out_channels=(4, 8, 8, 16))
+    controlnet.register_to_config(cross_attention_dim=TEXT_DIM)  # wrong, the weights read 2 * TEXT_DIM
+    pipe = StableDiffusionXLControlNetPipeline(**base.components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    image = torch.rand(1, 3, 64, 64)
+    plain = latents(pipe, steps=1, image=image)
+    assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "controlnet"]
+    with torchfix.enabled():
+        assert torch.equal(latents(pipe, steps=1, image=image), plain)

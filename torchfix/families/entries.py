@@ -12,7 +12,16 @@ from typing import Any
 
 from .spec import Blocks, Family, Width, register
 
-__all__ = ["IMAGE_PROJECTION_DEFAULT", "IMAGE_PROJECTION_READS", "LIKELY", "SHARED_CONDITIONING", "T2I_XL_LAYOUT"]
+__all__ = [
+    "CONDITIONING_WEIGHTS",
+    "IMAGE_ENCODER_WEIGHTS",
+    "IMAGE_PROJECTION_DEFAULT",
+    "IMAGE_PROJECTION_READS",
+    "LIKELY",
+    "SHARED_CONDITIONING",
+    "T2I_XL_LAYOUT",
+    "T2I_XL_MODULE",
+]
 
 IMAGE_TEXT = {"image": "hidden_states", "text": "encoder_hidden_states"}
 
@@ -49,6 +58,21 @@ SHARED_CONDITIONING = (
     ("pooled_projection_dim", "pooled"),
 )
 
+# Where the weights show each of those widths (a Linear's in_features at the path; "*name": the first module whose
+# path ends so): read before the config, which can disagree with the weights it came with.
+CONDITIONING_WEIGHTS = {
+    "cross_attention_dim": ("encoder_hid_proj", "*attn2.to_k"),
+    "joint_attention_dim": ("context_embedder",),
+    "caption_channels": ("caption_projection.linear_1",),
+    "projection_class_embeddings_input_dim": ("add_embedding.linear_1",),
+    "pooled_projection_dim": ("time_text_embed.text_embedder.linear_1",),
+}
+# An image encoder's widths as its weights show them: (module path, attribute).
+IMAGE_ENCODER_WEIGHTS = {
+    "projection_dim": ("visual_projection", "out_features"),
+    "hidden_size": ("vision_model.embeddings.patch_embedding", "out_channels"),
+}
+
 # An IP-Adapter's image projection reads the image encoder's `image_embeds` (its config's projection_dim) where it is
 # diffusers' ImageProjection, else the penultimate hidden states (hidden_size), as the pipelines'
 # prepare_ip_adapter_image_embeds choose; FaceID projections read face embeddings, not the image encoder.
@@ -56,8 +80,9 @@ IMAGE_PROJECTION_READS = {"ImageProjection": "projection_dim"}
 IMAGE_PROJECTION_DEFAULT = "hidden_size"
 
 # A T2I-Adapter's layout and the UNets it fits: full_adapter_xl for SDXL-family UNets (text_time conditioning), the
-# others for SD1.x/2.x.
+# others for SD1.x/2.x; the module diffusers builds for it says so whatever the config claims.
 T2I_XL_LAYOUT = "full_adapter_xl"
+T2I_XL_MODULE = "FullAdapterXL"
 
 # --- UNets ---------------------------------------------------------------------------------------------------
 
