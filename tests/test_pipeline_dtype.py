@@ -238,3 +238,12 @@ def test_an_sd3_controlnet_size_that_does_not_patch_is_refused_before_anything_r
     with pytest.raises(torchfix.InvalidCallError, match=refused):
         latents(torchfix.wrap(pipe), size=(72, 64), steps=1, control_image=control)
     latents(torchfix.wrap(pipe), size=(64, 64), steps=1, control_image=torch.rand(1, 3, 64, 64))  # a valid size runs
+
+
+def test_a_plain_sd3_size_that_does_not_patch_gets_diffusers_own_error():
+    pipe = tiny_sd3_pipeline(layers=2)
+    with pytest.raises(ValueError, match="have to be divisible by 16") as plain:  # diffusers 0.42.1 checks it up front
+        latents(pipe, size=(72, 64), steps=1)
+    with pytest.raises(ValueError) as wrapped:
+        latents(torchfix.wrap(pipe), size=(72, 64), steps=1)
+    assert str(wrapped.value) == str(plain.value) and not isinstance(wrapped.value, torchfix.TorchfixError)

@@ -179,16 +179,17 @@ def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
     SD3's latents are cut into ``patch_size`` patches and Flux's packed in 2×2: a size that is not a
     multiple of ``vae_scale_factor × patch`` fails with ``size of tensor a (9) must match the size of
     tensor b (8)`` in the ControlNet pipelines, which check only ``% 8`` (SD3) or resize the latents
-    but not the control image (Flux). Plain Flux pipelines resize both and are left alone.
+    but not the control image (Flux). The plain pipelines are left to diffusers: SD3's refuses such a
+    size itself with a clear error, Flux's resizes.
     """
     transformer = getattr(pipe, "transformer", None)
     scale = getattr(pipe, "vae_scale_factor", None)
     if not hasattr(transformer, "config") or not isinstance(scale, int):
         return None
+    if getattr(pipe, "controlnet", None) is None:
+        return None  # the plain SD3 and Flux pipelines check or resize sizes themselves (diffusers 0.42.1), clearly
     found = preflight.denoiser(pipe)
     packed = found[1].packed if found is not None else 0  # Flux packs 2×2 latent pixels into a token
-    if packed and getattr(pipe, "controlnet", None) is None:
-        return None
     patch = packed or transformer.config.get("patch_size", 1) or 1
     multiple = scale * patch
     bad = {k: v for k in ("height", "width") if isinstance(v := kwargs.get(k), int) and v % multiple}
