@@ -44,7 +44,7 @@ class Action:
     to: Any = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Finding:
     """A problem torchfix found: a guard's in one call, or ``torchfix.wrap``'s preflight in one
     component of a pipeline (``component``, and whether it was ``applied``).
@@ -65,6 +65,8 @@ class Finding:
 
     >>> print(Finding("device", "weights on the meta device", "load the weights", component="unet"))
     unet: weights on the meta device — to fix: load the weights
+    >>> [Finding("device", "weights on the meta device", "load the weights", component="unet")]
+    [<device finding: unet: weights on the meta device — to fix: load the weights>]
     """
 
     guard: str
@@ -80,3 +82,7 @@ class Finding:
     def __str__(self) -> str:
         where = f"{self.component}: " if self.component else ""
         return f"{where}{self.problem} — {'fixed: ' if self.applied else 'to fix: '}{self.fix}"
+
+    def __repr__(self) -> str:
+        """Readable in a list (``print(w.preflight())``): the kind, then what :meth:`__str__` says."""
+        return f"<{'advisory ' if self.advisory else ''}{self.guard} finding: {self}>"
