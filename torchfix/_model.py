@@ -30,7 +30,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _frames, _kept
-from .families import DENOISERS
+from .families import DENOISERS, config_value, main_denoiser
 from .guards import dtype as dtype_guard
 
 __all__ = ["PROBES", "forget", "kept_high", "model_dtype", "owner_dtype", "pipeline_dtype"]
@@ -111,18 +111,13 @@ def forget(model: torch.nn.Module) -> None:
 
 def kept_high(model: torch.nn.Module) -> bool:
     """The component is kept in its precision on purpose: a config flag says so, or ``torchfix.keep_dtype``."""
-    config = getattr(model, "config", None)
-    flags = (config.get(f) if isinstance(config, dict) else getattr(config, f, None) for f in dtype_guard.UPCAST_FLAGS)
-    return any(v is True for v in flags) or _kept.is_kept_module(model)
+    return any(config_value(model, f) is True for f in dtype_guard.UPCAST_FLAGS) or _kept.is_kept_module(model)
 
 
 def pipeline_dtype(pipe: object) -> torch.dtype | None:
     """A pipeline's dtype: its (first) denoiser's own dtype; ``None`` without one."""
-    for name in DENOISERS:
-        model = getattr(pipe, name, None)
-        if isinstance(model, torch.nn.Module):
-            return model_dtype(_frames.uncompiled(model))
-    return None
+    found = main_denoiser(pipe)
+    return None if found is None else model_dtype(_frames.uncompiled(found[1]))
 
 
 def owner_dtype(chain: Sequence[torch.nn.Module]) -> tuple[torch.dtype | None, str]:

@@ -252,16 +252,14 @@ def _finite_hook(path: str, mode: str) -> Any:
         if running or not finite.needs_rescue(output, (*args, *kwargs.values())):
             return None
 
-        def rerun() -> tuple[torch.Tensor, int]:
-            running.append(True)
+        def again(*a: Any, **k: Any) -> Any:
+            running.append(True)  # this hook sees the re-run too: it must let it through
             try:
-                with finite.upcast(module) as state:
-                    result = module(*map(finite.up, args), **{k: finite.up(v) for k, v in kwargs.items()})
+                return module(*a, **k)
             finally:
                 running.pop()
-            return result, sum(t.numel() * 4 for t in state.values() if t.dtype == torch.float32)
 
-        return finite.rescued(path, output.dtype, mode, "torchfix.wrap", rerun)
+        return finite.rescued(path, output.dtype, mode, "torchfix.wrap", module, again, args, kwargs)
 
     return rerun_non_finite
 

@@ -18,7 +18,7 @@ import torch
 
 from . import families
 from ._frames import uncompiled
-from .families import DENOISERS
+from .families import DENOISERS, config_int, main_denoiser
 from .families.entries import (
     CONDITIONING_WEIGHTS,
     IMAGE_ENCODER_WEIGHTS,
@@ -98,12 +98,6 @@ def _text_encoder_findings(pipe: Any) -> list[Finding]:
     return findings
 
 
-def _config_int(module: Any, entry: str) -> int | None:
-    config = getattr(module, "config", None)
-    value = config.get(entry) if hasattr(config, "get") else getattr(config, entry, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _weights_width(model: torch.nn.Module, entry: str) -> tuple[int, str] | None:
     """The width ``model``'s weights read the conditioning at for config ``entry`` (:data:`CONDITIONING_WEIGHTS`),
     with where it was read; ``None`` where no such layer is found."""
@@ -127,9 +121,9 @@ def _reads(model: torch.nn.Module, entry: str, *, weights_only: bool = False) ->
     found = _weights_width(model, entry)
     if found is not None or weights_only:
         return found
-    if entry == "cross_attention_dim" and (hid := _config_int(model, "encoder_hid_dim")) is not None:
+    if entry == "cross_attention_dim" and (hid := config_int(model, "encoder_hid_dim")) is not None:
         return hid, "config.encoder_hid_dim"
-    value = _config_int(model, entry)
+    value = config_int(model, entry)
     return None if value is None else (value, f"config.{entry}")
 
 
@@ -148,7 +142,7 @@ def _consumer_findings(pipe: Any, *, weights_only: bool = False) -> list[Finding
     :data:`torchfix.families.entries.SHARED_CONDITIONING`, read from the weights where they show them): a ControlNet
     made for another base model fails deep inside its first attention (``mat1 and mat2 shapes cannot be multiplied
     (154x2048 and 768x320)``)."""
-    denoiser = next(((n, m) for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
+    denoiser = main_denoiser(pipe)
     if denoiser is None:
         return []
     dname, dmodel = denoiser
@@ -191,16 +185,16 @@ def _encoder_width(encoder: torch.nn.Module, entry: str, weights_only: bool) -> 
         value = None
     if isinstance(value, int) or weights_only:
         return value if isinstance(value, int) else None
-    return _config_int(encoder, entry)
+    return config_int(encoder, entry)
 
 
 def _ip_adapter_findings(pipe: Any, *, weights_only: bool = False) -> list[Finding]:
     """Each IP-Adapter image projection loaded into the denoiser against the image encoder that feeds it (a plus
     adapter reads hidden states, a plain one ``image_embeds``): an adapter for another image encoder fails inside
     its first layer."""
-    denoiser = next((m for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
+    denoiser = main_denoiser(pipe)
     encoder = getattr(pipe, "image_encoder", None)
-    layers = getattr(getattr(denoiser, "encoder_hid_proj", None), "image_projection_layers", None)
+    layers = getattr(getattr(denoiser and denoiser[1], "encoder_hid_proj", None), "image_projection_layers", None)
     if not isinstance(encoder, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList):
         return []
     findings = []

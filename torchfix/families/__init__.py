@@ -6,6 +6,34 @@ wrapper's preflight, and the defaults measured per family (:mod:`torchfix.famili
 'blocks(hidden_states=image) -> image'
 """
 
-from .spec import DENOISERS, FULL_ONLY, Blocks, Family, Width, find, get, names, register, supported
+from .spec import (
+    DENOISERS,
+    FULL_ONLY,
+    Blocks,
+    Family,
+    Width,
+    config_int,
+    config_value,
+    find,
+    get,
+    main_denoiser,
+    names,
+    register,
+    supported,
+)
 
-__all__ = ["DENOISERS", "FULL_ONLY", "Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]
+__all__ = [
+    "DENOISERS",
+    "FULL_ONLY",
+    "Blocks",
+    "Family",
+    "Width",
+    "config_int",
+    "config_value",
+    "find",
+    "get",
+    "main_denoiser",
+    "names",
+    "register",
+    "supported",
+]

@@ -22,12 +22,49 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..errors import InvalidArgumentError, UnknownNameError
 
-__all__ = ["DENOISERS", "Blocks", "Family", "Width", "find", "get", "names", "register", "supported"]
+__all__ = [
+    "DENOISERS",
+    "Blocks",
+    "Family",
+    "Width",
+    "config_int",
+    "config_value",
+    "find",
+    "get",
+    "main_denoiser",
+    "names",
+    "register",
+    "supported",
+]
 
 # A pipeline's components that are denoisers, in the order they run (Wan 2.2: two experts on one scheduler).
 DENOISERS = ("unet", "transformer", "transformer_2")
+
+
+def main_denoiser(pipe: Any) -> tuple[str, torch.nn.Module] | None:
+    """The pipeline's first denoiser component (:data:`DENOISERS` order) and its name; ``None`` without one."""
+    return next(((n, m) for n in DENOISERS if isinstance(m := getattr(pipe, n, None), torch.nn.Module)), None)
+
+
+def config_value(module: Any, entry: str) -> Any:
+    """``module.config[entry]`` (a diffusers ``FrozenDict`` or a transformers config object), ``None`` where absent.
+
+    >>> config_value(torch.nn.Linear(1, 1), "hidden_size") is None
+    True
+    """
+    config = getattr(module, "config", None)
+    return config.get(entry) if hasattr(config, "get") else getattr(config, entry, None)
+
+
+def config_int(module: Any, entry: str) -> int | None:
+    """:func:`config_value` where it is an int (never a bool), else ``None``."""
+    value = config_value(module, entry)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
 
 # Arguments whose presence makes any denoiser call run in full: residuals added to blocks from outside
 # (ControlNets) and blocks skipped on purpose (SD3's skip-layer guidance). A cached step cannot honour them.
@@ -105,9 +142,8 @@ class Width:
         """``(width, where it comes from)`` the pipeline's denoiser takes, or ``None``."""
         if callable(self.expects):
             return self.expects(pipe)
-        config = getattr(getattr(pipe, denoiser, None), "config", None)
-        value = config.get(self.expects) if hasattr(config, "get") else getattr(config, self.expects, None)
-        return (value, f"{denoiser}.config.{self.expects}={value}") if isinstance(value, int) and not isinstance(value, bool) else None
+        value = config_int(getattr(pipe, denoiser, None), self.expects)
+        return None if value is None else (value, f"{denoiser}.config.{self.expects}={value}")
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,11 @@ def _resolve_on_cpu(original: Any) -> Any:
     return _resolve_parallel_config
 
 
+def _sample(out: Any) -> Any:
+    """The image in what a diffusers ``decode`` returns (``return_dict=False``: a tuple; else ``DecoderOutput``)."""
+    return out[0] if isinstance(out, tuple) and out else getattr(out, "sample", out)
+
+
 def _rescue_decode(original: Any) -> Any:
     """An autoencoder's ``decode`` whose non-finite fp16/bf16 result from finite latents is re-run in float32
     (:mod:`torchfix.runtime.finite`); where torchfix is off or its dtype guard is, exactly the original."""
@@ -84,18 +89,13 @@ def _rescue_decode(original: Any) -> Any:
         settings = _context.current()
         if not settings.active or not settings.dtype_on or torch.compiler.is_compiling():
             return out
-        sample = out[0] if isinstance(out, tuple) and out else getattr(out, "sample", out)
+        sample = _sample(out)
         if not finite.needs_rescue(sample, (*args, *kwargs.values())):
             return out
 
-        def rerun() -> tuple[torch.Tensor, int]:
-            with finite.upcast(self) as state:
-                again = original(self, *map(finite.up, args), **{k: finite.up(v) for k, v in kwargs.items()})
-            result = again[0] if isinstance(again, tuple) else again.sample
-            return result, sum(t.numel() * 4 for t in state.values() if t.dtype == torch.float32)
-
         path = f"{_frames.owner([self])[1]}.decode"  # "vae" when a pipeline holds it, else its class
-        result = finite.rescued(path, sample.dtype, settings.mode, "torchfix", rerun)
+        call = functools.partial(original, self)
+        result = finite.rescued(path, sample.dtype, settings.mode, "torchfix", self, call, args, kwargs, pick=_sample)
         if isinstance(out, tuple):
             return (result, *out[1:])
         out.sample = result

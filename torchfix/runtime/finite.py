@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -55,9 +55,20 @@ def upcast(module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         yield state
 
 
-def rescued(path: str, low: torch.dtype, mode: str, op: str, rerun: Any) -> Any:
-    """Re-run a non-finite ``low``-precision pass of ``path`` (``rerun()`` computes it in float32), record it and
-    return the float32 result cast back to ``low`` where that stays finite (else the float32 result). ``strict``:
+def rescued(
+    path: str,
+    low: torch.dtype,
+    mode: str,
+    op: str,
+    module: torch.nn.Module,
+    call: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    pick: Callable[[Any], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Re-run a non-finite ``low``-precision pass of ``path``: ``call(*args, **kwargs)`` again with ``module`` on float32
+    copies of its weights and the floating arguments in float32 (``pick``: the tensor in what it returns); record it
+    and return the result cast back to ``low`` where that stays finite (else the float32 result). ``strict``:
     :class:`torchfix.NonFiniteError` instead, before anything re-runs."""
     site = _frames.call_site(2)
     name = dtype_name(low)
@@ -65,14 +76,16 @@ def rescued(path: str, low: torch.dtype, mode: str, op: str, rerun: Any) -> Any:
     fix = f"run the VAE in float32 (pipe.vae.to(torch.float32), or a VAE fixed for {name} such as madebyollin/sdxl-vae-fp16-fix)"
     if mode == "strict":
         raise NonFiniteError(f"torchfix: {problem}. To fix: {fix}.")
-    result, nbytes = rerun()
+    with upcast(module) as state:
+        result = call(*map(up, args), **{k: up(v) for k, v in kwargs.items()})
+    result = result if pick is None else pick(result)
     back = result.to(low)
     result = back if bool(torch.isfinite(back).all()) else result
     detail = (
         f"{problem} → re-ran in float32, returned {dtype_name(result.dtype)} "
         "(rule: a non-finite reduced-precision decode is re-run in float32, as AUTOMATIC1111's VAE revert does)"
     )
-    nbytes += result.numel() * result.element_size()
+    nbytes = result.numel() * result.element_size() + sum(t.numel() * 4 for t in state.values() if t.dtype == torch.float32)
     report().add(FixEvent(op, "dtype", "upcast", site, path, detail, change=f"{name}→float32", nbytes=nbytes))
     log.info("%s: %s: %s", op, path, detail)
     if mode == "warn":
