@@ -237,6 +237,27 @@ def test_import_with_mode_off_patches_nothing():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize(
+    "statement", ["import torchfix.testing", "from torchfix.comfyui import NODE_CLASS_MAPPINGS", "from torchfix.deepcache import apply"]
+)
+def test_importing_a_submodule_does_not_switch_the_guards_on(statement):
+    """Only ``import torchfix`` enables (a test helper, the ComfyUI node pack or the cache alone change nothing)."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "orig = F.linear, torch.matmul, torch.cat\n"
+        f"{statement}\n"
+        "import torchfix\n"
+        "assert (F.linear, torch.matmul, torch.cat) == orig and not torchfix.is_enabled()\n"
+        "x = torch.randn(2, 4, dtype=torch.bfloat16); w = torch.randn(3, 4, dtype=torch.float16)\n"
+        "try:\n    F.linear(x, w)\nexcept RuntimeError:\n    print('torch refused')\n"
+        "torchfix.enable()\n"
+        "print(F.linear(x, w).dtype)\n"
+    )
+    r = _run(code, None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["torch", "refused", "torch.bfloat16"]
+
+
 def test_import_with_bad_mode_says_how_to_fix():
     r = _run("import torchfix", "loud")
     assert r.returncode != 0

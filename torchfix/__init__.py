@@ -2,7 +2,8 @@
 and resolution problems just work, and says what it fixed.
 
 ``import torchfix`` switches the guards on for the process in the mode named by
-``TORCHFIX_MODE`` (default ``fix``; ``off`` patches nothing).
+``TORCHFIX_MODE`` (default ``fix``; ``off`` patches nothing). Importing a submodule (``import
+torchfix.testing``, ``from torchfix.comfyui import ...``) does not: call ``torchfix.enable()`` where you want them.
 
 >>> import torchfix
 >>> torchfix.disable()
@@ -103,11 +104,27 @@ def _under_cli() -> bool:
     )
 
 
+def _importing_a_submodule() -> bool:
+    """Whether this import of the package is the first step of importing one of its submodules (``import
+    torchfix.testing``, ``from torchfix.comfyui import ...``): Python runs this file first either way, and only
+    ``import torchfix`` itself switches the guards on. Read off the import machinery's frames (CPython names
+    the module being loaded in ``_find_and_load``); where they cannot be read, the import enables as before."""
+    import sys
+
+    getframe = getattr(sys, "_getframe", None)
+    frame = getframe(1) if getframe is not None else None
+    while frame is not None:
+        if frame.f_code.co_name == "_find_and_load" and str(frame.f_locals.get("name", "")).startswith(__name__ + "."):
+            return True
+        frame = frame.f_back
+    return False
+
+
 try:
     _mode = env_mode()
 except ValueError:
     if not _under_cli():  # a script gets the error at import; the command says it without a traceback
         raise
     _mode = "off"
-if _mode != "off":
+if _mode != "off" and not _importing_a_submodule():
     enable(_mode)

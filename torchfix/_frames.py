@@ -175,6 +175,27 @@ def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.
     return root, _ROOT_NAMES.get(root, ""), None if pipe is None else pipe()
 
 
+def under_dynamo(depth: int = 64) -> bool:
+    """Whether this Python call was reached through torch.compile's frame evaluation (an ``OptimizedModule`` or a
+    compiled function calling it, or a graph break running eagerly inside compiled code): some of the calls around
+    it then run as compiled graphs, whose Python never runs. Reads up to ``depth`` frames.
+
+    >>> under_dynamo()
+    False
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_EVAL_FRAME):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     """The module a ``torch.compile``'d ``OptimizedModule`` runs (that module is the model), else ``module``.
 

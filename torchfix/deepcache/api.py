@@ -22,7 +22,7 @@ from .. import families
 from .._frames import uncompiled
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, UnsupportedModelError
 from ..families import DENOISERS
-from . import engine, streams
+from . import comfy_unet, engine, streams
 from ._graphs import forget_compiled
 from .blocks import BlockState, TransformerLayout, apply_transformer, check_transformer
 from .config import DeepCacheConfig, corrects, for_family, warms_up
@@ -64,10 +64,12 @@ def _family(model: torch.nn.Module) -> families.Family:
     )
 
 
-def _check_one(model: torch.nn.Module, config: DeepCacheConfig) -> Layout | TransformerLayout:
+def _check_one(model: torch.nn.Module, config: DeepCacheConfig) -> Layout | TransformerLayout | comfy_unet.ComfyLayout:
     family = _family(model)
     if family.kind == "transformer":
         return check_transformer(model, for_family(config, family))
+    if family.host == "comfyui":
+        return comfy_unet.check(model, config)
     layout = analyse(model)
     if config.revise is True:
         raise InvalidArgumentError(
@@ -108,15 +110,20 @@ def states_of(target: Any) -> dict[str, CacheState]:
     return {name: _STATES[model] for name, model in found if model in _STATES}
 
 
-def new_call(target: Any) -> None:
+def new_call(target: Any, timesteps: Any = None) -> None:
     """Start a new generation: the next denoiser call is a full step and the cache is dropped; DeepCache's
     forward is put back if another hook replaced it since.
 
     Pipelines do this themselves (through their scheduler); call it when you drive a bare denoiser.
+    ``timesteps``: the schedule the generation's denoiser calls follow, one value per call per stream (ComfyUI's
+    sigmas less the last): it sets the step count and whether the schedule warms up, as a scheduler's would.
     """
     for state in states_of(target).values():
         streams.ensure_installed(state)
-        state.reset()
+        if timesteps is None:
+            state.reset()
+        else:
+            streams.restart(state, timesteps)
 
 
 def _stats_one(state: CacheState) -> dict[str, Any]:
@@ -223,6 +230,8 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
         filled = for_family(config, family)
         if isinstance(layout, TransformerLayout):
             state: CacheState = apply_transformer(model, filled, layout)
+        elif isinstance(layout, comfy_unet.ComfyLayout):
+            state = comfy_unet.apply(model, family, filled, layout)
         else:
             state = apply_unet(model, family, filled, layout)
         state.scope = scope

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .. import _warn, families
+from .._frames import under_dynamo
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
@@ -207,6 +208,7 @@ class Chain:
     calls: int
     tuple_out: dict[int, bool]  # layout position -> whether it returns a tuple
     revise: str | None  # why the cached steps cannot be revised (None: they can)
+    inplace: bool = False  # a block updates a stream in place (ComfyUI's ``x += ...``): full steps copy what enters a run
 
     def describe(self, layout: TransformerLayout) -> str:
         parts = [f"{layout.names[r.positions[0]]} .. {layout.names[r.positions[-1]]}" for r in self.runs]
@@ -222,6 +224,7 @@ class _Seen:
     outputs: dict[str, torch.Tensor]  # held until the next call has been seen
     linked: bool  # every stream it takes is what the previous call returned
     tuple_out: bool
+    values: dict[str, torch.Tensor] | None = None  # a cached block's outputs as returned (a later block may update them in place)
 
 
 @dataclass(eq=False)
@@ -240,6 +243,7 @@ class _Recorder:
     run_inputs: dict[str, torch.Tensor] | None = None  # the streams entering the open run
     pending: dict[int, tuple] = field(default_factory=dict)  # per closed run: its residuals (and inputs)
     last_image: Any = None  # the image stream the last block returned
+    inplace: bool = False  # a block changed a stream it was given in place
     norm_input: Any = None  # what the output layers' norm got (revisable tail)
     norm_conditioning: Any = None
 
@@ -253,6 +257,7 @@ class BlockState(engine.CacheState):
     chain: Chain | None = None  # the chain of the call in progress
     recorder: _Recorder | None = None
     cursor: int = 0  # blocks called so far in this call (eager: checked against the chain's order)
+    eager: bool = True  # this call runs eagerly throughout (not reached through torch.compile: no block is a graph)
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # per run: the streams entering it (full step)
     cannot_revise: str | None = None  # why the cached steps are not revised (None: they may be)
     revising: bool = False  # this call's stream revises its cached steps
@@ -346,9 +351,16 @@ def _observe(state: BlockState, position: int, read: Any, original: Any, args: t
             if isinstance(item, torch.Tensor) and (hit := rec.produced.get(id(item))) is not None and hit[0]() is item:
                 if not (hit[1] == index - 1 and any(item is v for v in inputs.values())):
                     rec.consumed.append((hit[1], index, pname))
-    out = original(*args, **kwargs)
     cached = state.config.keep_first <= index < layout.n_blocks - state.config.keep_last
+    extends = cached and linked and bool(rec.runs) and rec.runs[-1][-1] == index - 1
+    before = {s: _marker(v) for s, v in inputs.items() if isinstance(v, torch.Tensor)}
+    if cached and not extends:  # a run starts here: what enters it, as it is now (the block may update it in place)
+        entering = {s: v.detach().clone() if isinstance(v, torch.Tensor) else v for s, v in inputs.items()}
+    out = original(*args, **kwargs)
     values = _outputs(spec, out)
+    rec.inplace |= any(_changed(inputs[s], mark) for s, mark in before.items()) or any(
+        any(v is given for given in inputs.values()) for v in (values or ()) if isinstance(v, torch.Tensor)
+    )
     if values is None:
         rec.problems.append(f"{name} returned {_describe(out)}; its entry expects {spec.describe()}")
         values = ()
@@ -368,21 +380,33 @@ def _observe(state: BlockState, position: int, read: Any, original: Any, args: t
         else:
             rec.produced[id(value)] = (weakref.ref(value), index)
     # runs, closed as they end: only the open run's inputs and the previous call's outputs are held
-    extends = cached and linked and bool(rec.runs) and rec.runs[-1][-1] == index - 1
     if not extends:
         _close_run(state, previous)
         if cached:
-            if not rec.runs and isinstance(inputs.get("image"), torch.Tensor):
-                engine.keep_reference(state, inputs["image"])
+            if not rec.runs and isinstance(entering.get("image"), torch.Tensor):
+                engine.keep_reference(state, entering["image"])
             rec.runs.append([])
-            rec.run_inputs = inputs
+            rec.run_inputs = entering
     if cached:
         rec.runs[-1].append(index)
     if previous is not None:
-        previous.outputs = {}
+        previous.outputs, previous.values = {}, None
     rec.last_image = outputs.get("image")
-    rec.seen.append(_Seen(position, outputs, linked, isinstance(out, (tuple, list))))
+    kept = {s: v.detach().clone() for s, v in outputs.items() if isinstance(v, torch.Tensor)} if cached else None
+    rec.seen.append(_Seen(position, outputs, linked, isinstance(out, (tuple, list)), kept))
     return out
+
+
+def _marker(tensor: torch.Tensor) -> int | torch.Tensor:
+    """What tells later whether ``tensor`` was changed in place: its version counter, or for an inference tensor
+    (ComfyUI runs every node under ``torch.inference_mode``: no version counter) a copy of it."""
+    return tensor.detach().clone() if tensor.is_inference() else tensor._version
+
+
+def _changed(tensor: torch.Tensor, marker: int | torch.Tensor) -> bool:
+    if isinstance(marker, torch.Tensor):
+        return not torch.equal(tensor, marker)
+    return tensor._version != marker
 
 
 def _close_run(state: BlockState, last: _Seen | None) -> None:
@@ -392,7 +416,7 @@ def _close_run(state: BlockState, last: _Seen | None) -> None:
         rec.run_inputs = None
         return
     names = state.layout.specs[rec.seen[rec.runs[-1][0]].position].returns
-    rec.pending[len(rec.runs) - 1] = _residuals(state, names, rec.run_inputs, last.outputs)
+    rec.pending[len(rec.runs) - 1] = _residuals(state, names, rec.run_inputs, last.values if last.values is not None else last.outputs)
     rec.run_inputs = None
 
 
@@ -448,7 +472,9 @@ def _finish(state: BlockState, model: Any, output: Any) -> Chain:
         for i in members:
             slots[seen[i].position] = Slot(i, r, i == members[0], i == members[-1])
         chain_runs.append(Run(positions, layout.specs[positions[0]].returns))
-    chain = Chain(slots, tuple(chain_runs), n, {s.position: s.tuple_out for s in seen}, _tail_off(state, model, output, runs, seen))
+    chain = Chain(
+        slots, tuple(chain_runs), n, {s.position: s.tuple_out for s in seen}, _tail_off(state, model, output, runs, seen), rec.inplace
+    )
     state.pending = dict(rec.pending)
     return chain
 
@@ -637,6 +663,9 @@ def _begin(state: BlockState, arguments: dict[str, Any]) -> str:
         state, arguments.get(family.latent), arguments.get(family.prompt) if family.prompt else None, arguments, verified=chain is not None
     )
     state.chain, state.cursor, state.inputs = chain, 0, {}
+    # Under torch.compile some blocks run inside graphs (their Python never runs) and others, past a graph break or
+    # dynamo's recompile limit, eagerly: the call order can only be checked where every block runs eagerly.
+    state.eager = not under_dynamo()
     state.revising = mode != "off" and state.cannot_revise is None and state.sigmas is not None and (chain is None or chain.revise is None)
     if mode == "full" and chain is None:
         state.recorder = _Recorder(state.layout)
@@ -742,7 +771,7 @@ def _model_forward(state: BlockState) -> Any:
                 output = original(*args, **kwargs)
             finally:
                 change = _keep(state, output)
-            if mode in ("full", "cached") and state.chain is not None and not torch.compiler.is_compiling():
+            if mode in ("full", "cached") and state.chain is not None and state.eager and not torch.compiler.is_compiling():
                 _check_calls(state)
             return output if change is None else _revised(output, change)
 
@@ -783,7 +812,7 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
             if state.recorder is not None:
                 return _observe(state, position, read, original, args, kwargs)
             slot = state.chain.slots[position]
-            if not torch.compiler.is_compiling():
+            if state.eager and not torch.compiler.is_compiling():
                 if slot.order != state.cursor:
                     raise _out_of_order(state, position)
                 state.cursor += 1
@@ -803,6 +832,8 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
                 return _returned(tuple(out[run.streams.index(s)] for s in spec.returns), state.chain.tuple_out[position])
             if slot.first:
                 now = read(args, kwargs)
+                if state.chain.inplace:  # the blocks update what enters the run in place: keep it as it enters
+                    now = tuple(v.detach().clone() if isinstance(v, torch.Tensor) else v for v in now)
                 state.inputs[slot.run] = tuple(now[spec.returns.index(s)] for s in run.streams)
                 if slot.run == 0:
                     engine.keep_reference(state, now[spec.returns.index("image")])

@@ -160,12 +160,16 @@ def decide(state: CacheState, latents: Any, prompt: Any, arguments: dict[str, An
         state.mode = "off"
         return "off"
     streams.follow_scheduler(state)
-    stream = streams.enter(state, latents, prompt, Stream, state.context)
+    context = state.family.context(arguments) if state.family.context is not None else state.context
+    stream = streams.enter(state, latents, prompt, Stream, context)
     state.last_streams = len(state.streams)
     index = stream.step
     stream.step += 1
     config = streams.generation_config(state)
-    if config.interval == 1 or any(arguments.get(name) is not None for name in state.family.full_only_arguments):
+    extra = arguments.get("kwargs") or {}  # what a forward's **kwargs took (ComfyUI's Wan takes control there)
+    if config.interval == 1 or any(
+        arguments.get(name, extra.get(name)) is not None for name in state.family.full_only_arguments
+    ):
         mode = "plain"
     elif stream.last() is None or not verified:
         mode = "full"

@@ -36,6 +36,7 @@ __all__ = [
     "keep_summary",
     "last_call",
     "order_for_parallel",
+    "restart",
     "scoped",
     "signature_of",
     "stream_key",
@@ -254,16 +255,21 @@ def flow_euler_sigmas(scheduler: Any) -> tuple[float, ...] | None:
 
 
 def _restart(state: Any, scheduler: Any) -> None:
-    """A new generation, with the step count ``scheduler`` has set (and, where ``warm_up`` is left to it, whether
-    its timesteps call for a warm-up)."""
+    """A new generation, with the step count ``scheduler`` has set."""
+    restart(state, getattr(scheduler, "timesteps", None), flow_euler_sigmas(scheduler) if state.may_revise() else None)
+
+
+def restart(state: Any, timesteps: Any, sigmas: tuple[float, ...] | None = None) -> None:
+    """A new generation whose denoiser calls follow ``timesteps`` (a tensor, an array or a list; ``None``: unknown):
+    its step count, and, where ``warm_up`` is left to the schedule, whether it calls for a warm-up. ``sigmas``: a
+    flow-matching Euler schedule the cached steps may be revised on."""
     state.reset()
-    timesteps = getattr(scheduler, "timesteps", None)
-    state.total = len(timesteps) if timesteps is not None else None
+    values = None if timesteps is None else (timesteps.tolist() if hasattr(timesteps, "tolist") else list(timesteps))
+    state.total = None if values is None else len(values)
     config = state.config
-    if config.warm_up is None and timesteps is not None:  # the schedule decides: an early second full step pays only
-        values = timesteps.tolist() if hasattr(timesteps, "tolist") else list(timesteps)  # a tensor, an array, a list
+    if config.warm_up is None and values is not None:  # the schedule decides: an early second full step pays only
         state.schedule = dataclasses.replace(config, warm_up=early_steps_move(values))  # where it moves early
-    state.sigmas = flow_euler_sigmas(scheduler) if state.may_revise() else None
+    state.sigmas = sigmas
 
 
 @dataclasses.dataclass

@@ -45,6 +45,8 @@ class UNetState(engine.CacheState):
 
     layout: Layout | None = None
     capturing: bool = False
+    copy_feature: bool = False  # the host changes the feature in place after it is made (ComfyUI's FreeU): keep a copy
+    feature_marker: Any = None  # what tells whether the kept feature changed after it was kept (version, or a copy)
 
     @property
     def feature(self) -> torch.Tensor | None:
@@ -83,7 +85,9 @@ def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool) -> Any:
     # Stores a reference (no copy) to the tensor entering the branch's consumer.
     def keep(state: UNetState | None, h: Any) -> None:
         if state is not None and state.capturing and state.current is not None:
-            state.pending[0] = h.detach()  # joins the stream's history after the call, outside any graph
+            kept = h.detach().clone() if state.copy_feature else h.detach()
+            state.pending[0] = kept  # joins the stream's history after the call, outside any graph
+            state.feature_marker = None if state.copy_feature else (kept.clone() if kept.is_inference() else kept._version)
 
     if pre:
 

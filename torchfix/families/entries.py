@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Blocks, Family, Width, register
+from .spec import Blocks, Family, Width, builtin_done, register
 
 __all__ = [
     "CONDITIONING_WEIGHTS",
@@ -492,3 +492,79 @@ register(
         pipelines=("LattePipeline",),
     )
 )
+
+# --- ComfyUI's own model classes (comfy.ldm, read off ComfyUI 0.3.64) ------------------------------------------
+# Named by module path: ComfyUI's Qwen-Image class has diffusers' class name. Its models take the latents as ``x``
+# and tell guidance passes apart in ``transformer_options["cond_or_uncond"]`` (the conditioning tensors are built
+# anew each step). ``control`` carries ControlNet residuals, added to the blocks' outputs in place between blocks:
+# such a call runs in full. Its Flux-style blocks update their streams in place (``x += ...``); the cache checks
+# that on the first call and keeps copies of what enters each run (torchfix.deepcache.blocks).
+
+
+def comfy_passes(arguments: Any) -> str | None:
+    """The guidance passes of a ComfyUI denoiser call, from ``transformer_options["cond_or_uncond"]`` (0: cond,
+    1: uncond, in batch order): ``"cond_or_uncond=1,0"``; ``None`` where the call does not say.
+
+    >>> comfy_passes({"transformer_options": {"cond_or_uncond": [1, 0]}})
+    'cond_or_uncond=1,0'
+    """
+    options = arguments.get("transformer_options") if hasattr(arguments, "get") else None
+    passes = options.get("cond_or_uncond") if isinstance(options, dict) else None
+    return None if passes is None else "cond_or_uncond=" + ",".join(str(p) for p in passes)
+
+
+COMFY = "comfy.ldm."
+COMFY_IMAGE_TEXT = {"image": "img", "text": "txt"}
+
+
+def comfy(name: str, title: str, cls: str, **fields: Any) -> Family:
+    """A ComfyUI family: latents ``x``, passes from ``transformer_options``, ``control`` calls in full."""
+    return Family(
+        name, title, (COMFY + cls,), latent="x", prompt=None, host="comfyui", context=comfy_passes, full_only=("control",), **fields
+    )
+
+
+register(
+    comfy(
+        "comfy-unet",
+        "SD1.x/2.x/SDXL in ComfyUI (UNetModel)",
+        "modules.diffusionmodules.openaimodel.UNetModel",
+        kind="unet",
+        defaults={"forecast": 2, "stop": 1.0, "keep_first": 1, "keep_last": 1},
+    )
+)
+register(
+    comfy(
+        "comfy-flux",
+        "Flux.1 in ComfyUI",
+        "flux.model.Flux",
+        blocks=(Blocks("double_blocks", COMFY_IMAGE_TEXT, ("image", "text")), single("single_blocks", "x")),
+    )
+)
+register(
+    comfy(
+        "comfy-chroma",
+        "Chroma in ComfyUI",
+        "chroma.model.Chroma",
+        blocks=(Blocks("double_blocks", COMFY_IMAGE_TEXT, ("image", "text")), single("single_blocks", "x")),
+    )
+)
+register(
+    comfy(
+        "comfy-hunyuanvideo",
+        "HunyuanVideo in ComfyUI",
+        "hunyuan_video.model.HunyuanVideo",
+        blocks=(Blocks("double_blocks", COMFY_IMAGE_TEXT, ("image", "text")), single("single_blocks", "x")),
+    )
+)
+register(comfy("comfy-wan", "Wan 2.1/2.2 in ComfyUI", "wan.model.WanModel", blocks=(single("blocks", "x"),)))
+register(
+    comfy(
+        "comfy-qwenimage",
+        "Qwen-Image in ComfyUI",
+        "qwen_image.model.QwenImageTransformer2DModel",
+        blocks=(joint("transformer_blocks"),),
+    )
+)
+
+builtin_done()

@@ -28,6 +28,7 @@ from ..errors import InvalidArgumentError, UnknownNameError
 
 __all__ = [
     "DENOISERS",
+    "HOSTS",
     "Blocks",
     "Family",
     "Width",
@@ -65,6 +66,9 @@ def config_int(module: Any, entry: str) -> int | None:
     value = config_value(module, entry)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+
+# Whose model classes an entry describes: diffusers' (run by its pipelines) or ComfyUI's (``comfy.ldm``).
+HOSTS = ("diffusers", "comfyui")
 
 # Arguments whose presence makes any denoiser call run in full: residuals added to blocks from outside
 # (ControlNets) and blocks skipped on purpose (SD3's skip-layer guidance). A cached step cannot honour them.
@@ -168,6 +172,11 @@ class Family:
         widths: the conditionings the wrapper's preflight checks (:class:`Width`).
         packed: latent pixels per token side where the pipeline packs latents (Flux: 2), else 0.
         pipelines: diffusers pipeline classes that run it (docs, support table).
+        host: whose model classes these are: ``"diffusers"``, or ``"comfyui"`` (ComfyUI's own ``comfy.ldm`` classes,
+            named by module path, run through its model patcher; :mod:`torchfix.comfyui`).
+        context: ``(bound forward arguments) -> str | None``: which guidance passes a call runs, where the host says
+            it in an argument rather than by ``cache_context`` or a prompt object (ComfyUI's
+            ``transformer_options["cond_or_uncond"]``); each distinct answer is a stream of its own.
     """
 
     name: str
@@ -185,10 +194,14 @@ class Family:
     widths: tuple[Width, ...] = ()
     packed: int = 0
     pipelines: tuple[str, ...] = ()
+    host: str = "diffusers"
+    context: Callable[[Mapping[str, Any]], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("transformer", "unet"):
             raise InvalidArgumentError(f"Family({self.name!r}).kind must be 'transformer' or 'unet', got {self.kind!r}.")
+        if self.host not in HOSTS:
+            raise InvalidArgumentError(f"Family({self.name!r}).host must be one of {HOSTS}, got {self.host!r}.")
         if self.kind == "transformer" and not self.blocks:
             raise InvalidArgumentError(f"Family({self.name!r}): a transformer family names at least one block list.")
 
@@ -250,7 +263,8 @@ def names(builtin: bool = False) -> tuple[str, ...]:
 
 
 def find(model: Any) -> Family | None:
-    """The family of ``model`` (a denoiser instance or class): its class's name, else the nearest base's.
+    """The family of ``model`` (a denoiser instance or class): its class, else the nearest base, named by module
+    path (``"comfy.ldm.flux.model.Flux"``: ComfyUI's classes, some named as diffusers' are) or by name alone.
 
     >>> find(object()) is None
     True
@@ -259,7 +273,7 @@ def find(model: Any) -> Family | None:
     by_class = {c: f for f in _REGISTRY.values() for c in f.classes}
     cls = model if isinstance(model, type) else type(model)
     for base in cls.__mro__:
-        family = by_class.get(base.__name__)
+        family = by_class.get(f"{base.__module__}.{base.__qualname__}") or by_class.get(base.__name__)
         if family is not None:
             return family
     return None
@@ -283,6 +297,11 @@ _BUILTIN: set[str] = set()
 def _load() -> None:
     if not _LOADED:
         _LOADED.append(True)
-        from . import entries  # noqa: F401  (registers the built-in families)
+        from . import entries  # noqa: F401  (registers the built-in families, then calls builtin_done)
 
-        _BUILTIN.update(_REGISTRY)
+
+def builtin_done() -> None:
+    """The built-in entries are in (the last line of :mod:`torchfix.families.entries`): what is registered now is
+    torchfix's own. Not in :func:`_load`: where ``entries`` is imported first, its first ``register`` runs ``_load``
+    while the registry is still empty."""
+    _BUILTIN.update(_REGISTRY)

@@ -1,0 +1,154 @@
+"""The cache on ComfyUI's own model classes: every ComfyUI entry of the family registry held to the registry's
+guarantees (a cached step fed a full step's input returns its output; a signature other than the entry's is
+refused before anything is cached), and the cache node through ComfyUI's sampler: any size in a row, cond and
+uncond apart, ControlNet calls in full, LoRA clones, ComfyUI's own compile, fewer blocks run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import torchfix
+from torchfix import families
+from torchfix.comfyui import TorchfixCache, report_text
+from torchfix.testing import comfyui
+
+MODELS = sorted(comfyui.MODELS)
+CFG = torchfix.DeepCacheConfig(interval=3)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(params=MODELS)
+def tiny(request):
+    model = comfyui.tiny(request.param)
+    yield model
+    torchfix.deepcache.remove(model.diffusion_model)
+
+
+def latent(tiny: comfyui.TinyComfy, batch: int = 1, seed: int = 5) -> torch.Tensor:
+    return torch.randn(tiny.latent(*tiny.sizes[0], batch).shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_comfyui_family_has_a_tiny_model():
+    built = {families.find(comfyui.tiny(name).diffusion_model).name for name in comfyui.MODELS}
+    registered = {name for name in families.names(builtin=True) if families.get(name).host == "comfyui"}
+    assert built == registered and len(registered) == 6
+
+
+def test_interval_1_is_bit_identical_and_remove_restores_the_model(tiny):
+    model = tiny.diffusion_model
+    before = {n for n, m in model.named_modules() if "forward" in vars(m) or "_forward" in vars(m)}
+    plain = comfyui.sample(tiny)
+    (cached,) = TorchfixCache().patch(tiny.patcher, 1, 0.0, 0)
+    assert torch.equal(comfyui.sample(tiny, cached), plain)
+    assert "0 cached" in report_text(cached)
+    torchfix.deepcache.remove(model)
+    assert {n for n, m in model.named_modules() if "forward" in vars(m) or "_forward" in vars(m)} == before
+
+
+def test_a_cached_step_fed_a_full_steps_input_returns_its_output(tiny):
+    """Interval 2, no warm-up, no forecast: the second of two identical calls is cached and must return the first's
+    output. Flux's blocks update their streams in place: a cache that kept a reference to what entered a run
+    instead of a copy returns a residual of zero here."""
+    torchfix.deepcache.apply(tiny.diffusion_model, torchfix.DeepCacheConfig(interval=2, warm_up=False, forecast=0, stop=1.0))
+    x = latent(tiny)
+    first, cached, full, cached_again = (tiny.call(x, 3.0) for _ in range(4))  # the first full step verifies the blocks
+    assert torchfix.deepcache.stats(tiny.diffusion_model)["cached_steps"] == 2
+    assert rel(cached, first) < 1e-5 and rel(cached_again, full) < 1e-5
+
+
+def test_cond_and_uncond_run_as_separate_calls_keep_their_own_cache(tiny):
+    torchfix.deepcache.apply(tiny.diffusion_model, CFG)
+    torchfix.deepcache.new_call(tiny.diffusion_model)
+    x = latent(tiny)
+    both = [[tiny.call(x * (1 - i / 10), 3.0 - i / 3, seed=p, passes=[p]) for p in (0, 1)] for i in range(6)]
+    stats = torchfix.deepcache.stats(tiny.diffusion_model)
+    assert len(stats["last_call"]["streams"]) == 2 and stats["last_call"]["cached_steps"] > 0
+    torchfix.deepcache.apply(tiny.diffusion_model, CFG)
+    torchfix.deepcache.new_call(tiny.diffusion_model)
+    alone = [tiny.call(x * (1 - i / 10), 3.0 - i / 3, seed=0, passes=[0]) for i in range(6)]
+    assert all(torch.equal(a[0], b) for a, b in zip(both, alone))
+
+
+def test_a_controlnet_call_runs_in_full(tiny):
+    """ComfyUI adds ControlNet residuals to the blocks' outputs in place, between blocks: such a call cannot be cached."""
+    torchfix.deepcache.apply(tiny.diffusion_model, torchfix.DeepCacheConfig(interval=2, warm_up=False, forecast=0, stop=1.0))
+    x = latent(tiny)
+    tiny.call(x, 3.0)
+    tiny.call(x, 3.0, control={"input": [], "middle": [], "output": []})
+    assert torchfix.deepcache.stats(tiny.diffusion_model)["cached_steps"] == 0
+
+
+def test_the_node_at_two_sizes_in_a_row_equals_a_fresh_cache(tiny):
+    (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    comfyui.sample(tiny, cached)
+    height, width = tiny.sizes[1]  # 120x168 px: odd sizes down the UNet, as 720x960 is
+    odd = comfyui.sample(tiny, cached, height=height, width=width, seed=2)
+    (fresh,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    assert torch.equal(odd, comfyui.sample(tiny, fresh, height=height, width=width, seed=2))
+    assert "cached" in report_text(fresh) and " 0 cached" not in report_text(fresh)
+
+
+def test_the_node_runs_fewer_blocks_and_stays_close(tiny):
+    with comfyui.BlockCounter(tiny.diffusion_model) as plain_blocks:
+        plain = comfyui.sample(tiny, steps=8)
+    (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    with comfyui.BlockCounter(tiny.diffusion_model) as cached_blocks:
+        out = comfyui.sample(tiny, cached, steps=8)
+    assert cached_blocks.calls < 0.8 * plain_blocks.calls, (cached_blocks.calls, plain_blocks.calls)
+    assert torch.isfinite(out).all() and rel(out, plain) < 0.25
+    assert torch.equal(comfyui.sample(tiny, steps=8), plain)  # the MODEL the node was given: untouched
+
+
+def test_a_lora_clone_of_the_cached_model_keeps_the_cache_and_its_own_weights(tiny):
+    (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    key, weight = next((k, w) for k, w in tiny.patcher.model.state_dict().items() if k.endswith(".weight") and w.ndim == 2)
+    lora = cached.clone()
+    lora.add_patches({key: (torch.full_like(weight, 0.01),)}, 1.0)
+    with_lora = comfyui.sample(tiny, lora)
+    assert "cached" in report_text(lora) and " 0 cached" not in report_text(lora)
+    again = comfyui.sample(tiny, cached)
+    (fresh,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    assert torch.equal(again, comfyui.sample(tiny, fresh))  # the LoRA's generation left nothing behind
+    assert not torch.equal(with_lora, again)
+
+
+def test_a_signature_other_than_the_entrys_is_refused_before_anything_is_cached():
+    tiny = comfyui.tiny("flux")
+    family = families.find(tiny.diffusion_model)
+    plain = comfyui.sample(tiny)
+    first = family.blocks[0]
+    wrong = dataclasses.replace(first, returns=tuple(reversed(first.returns)))
+    try:
+        families.register(dataclasses.replace(family, blocks=(wrong, *family.blocks[1:])), replace=True)
+        (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+        with pytest.raises(torchfix.UnsupportedModelError, match="Flux"):
+            comfyui.sample(tiny, cached)
+        assert torchfix.deepcache.stats(tiny.diffusion_model)["cached_steps"] == 0
+    finally:
+        families.register(family, replace=True)
+        torchfix.deepcache.remove(tiny.diffusion_model)
+    assert torch.equal(comfyui.sample(tiny), plain)
+
+
+@pytest.mark.parametrize("name", ["sd15", "flux"])
+def test_the_cache_composes_with_comfyuis_compile(name):
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    tiny = comfyui.tiny(name)
+    (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    eager = comfyui.sample(tiny, cached)
+    compiled = cached.clone()
+    set_torch_compile_wrapper(compiled, backend="eager")
+    try:
+        out = comfyui.sample(tiny, compiled)
+        assert "cached" in report_text(compiled) and " 0 cached" not in report_text(compiled)
+        assert rel(out, eager) < 1e-5
+    finally:
+        torchfix.deepcache.remove(tiny.diffusion_model)
+        torch._dynamo.reset()

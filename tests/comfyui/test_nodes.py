@@ -1,0 +1,77 @@
+"""The node pack in ComfyUI itself: loaded by ComfyUI's own custom-node loader, sampled with ComfyUI's own sampler
+(comfy.sample.sample, as KSampler runs it) on tiny SD1.5-like, SDXL-like, Flux-like and Wan (video) models."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+import torch
+
+import torchfix
+from torchfix.comfyui import TorchfixCache, TorchfixGuards, TorchfixReport, report_text
+from torchfix.testing import comfyui
+
+PACK = comfyui.REPO / "comfyui-torchfix"
+MODELS = ["sd15", "sdxl", "flux", "wan"]
+
+
+@pytest.fixture(params=MODELS)
+def tiny(request) -> comfyui.TinyComfy:
+    return comfyui.tiny(request.param)
+
+
+def stray_layer(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
+    """The first attention projection: left in bf16 in an fp32 model, as a half-converted checkpoint leaves it."""
+    return next((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "attn" in n)
+
+
+def test_the_pack_loads_through_comfyuis_loader_and_changes_nothing_process_wide():
+    nodes, _ = comfyui.load()
+    matmul, linear = torch.matmul, torch.nn.functional.linear
+    before = set(nodes.NODE_CLASS_MAPPINGS)
+    loaded = nodes.load_custom_node(str(PACK), module_parent="custom_nodes")
+    if asyncio.iscoroutine(loaded):
+        loaded = asyncio.run(loaded)
+    assert loaded is True
+    assert {"TorchfixGuards", "TorchfixCache", "TorchfixReport"} <= set(nodes.NODE_CLASS_MAPPINGS) - before or "TorchfixCache" in before
+    assert nodes.NODE_CLASS_MAPPINGS["TorchfixCache"] is TorchfixCache
+    assert nodes.NODE_DISPLAY_NAME_MAPPINGS["TorchfixCache"] == "torchfix cache"
+    assert not torchfix.is_enabled()
+    assert torch.matmul is matmul and torch.nn.functional.linear is linear
+    assert any(m.endswith("comfyui-torchfix") for m in sys.modules)  # ComfyUI's loader imported the folder
+
+
+@pytest.mark.parametrize("mode", ["fix", "strict"])
+def test_guards_leave_a_sound_model_bit_identical(tiny, mode):
+    plain = comfyui.sample(tiny)
+    (guarded,) = TorchfixGuards().patch(tiny.patcher, mode)
+    assert torch.equal(comfyui.sample(tiny, guarded), plain)
+    assert "nothing to fix" in report_text(guarded)
+    assert torch.equal(comfyui.sample(tiny), plain)  # the MODEL it was given is untouched
+    assert not torchfix.is_enabled()
+
+
+def test_guards_fix_a_stray_bf16_layer_and_name_it(tiny):
+    name, layer = stray_layer(tiny.diffusion_model)
+    layer.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        comfyui.sample(tiny)
+    (guarded,) = TorchfixGuards().patch(tiny.patcher, "fix")
+    fixed = comfyui.sample(tiny, guarded)
+    text = TorchfixReport().report(guarded, {"samples": fixed})["result"][0]
+    assert "F.linear" in text and "bfloat16" in text, text
+    layer.to(torch.float32)  # the maintainers' fix: the layer in the model's dtype (its weights were bf16-rounded)
+    assert torch.equal(fixed, comfyui.sample(tiny))
+    layer.to(torch.bfloat16)
+    (strict,) = TorchfixGuards().patch(tiny.patcher, "strict")
+    with pytest.raises(torchfix.DtypeMismatchError, match=name.rsplit(".", 1)[-1]):
+        comfyui.sample(tiny, strict)
+
+
+def test_the_cache_node_refuses_a_model_it_does_not_know():
+    tiny = comfyui.tiny("sd15")
+    tiny.patcher.model.diffusion_model = torch.nn.Linear(2, 2)
+    with pytest.raises(torchfix.UnsupportedModelError, match="Linear"):
+        TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)

@@ -1,0 +1,283 @@
+"""ComfyUI for tests and benchmarks, offline: its source loaded from a tarball or a folder, and tiny models of its
+own classes built the way ComfyUI builds them (``comfy.supported_models.<Family>(unet_config).get_model``, wrapped
+in a ``ModelPatcher``), with seeded random weights. Nothing is downloaded.
+
+ComfyUI is not on the package index in a usable form; its source (``ComfyUI-<version>.tar.gz``) is looked for in
+``$TORCHFIX_COMFYUI`` (a tarball or an extracted ``ComfyUI/`` folder), then in ``../shared/vendor/`` beside this
+repository. :func:`load` returns ``None`` and a reason where there is none (a user's machine without it).
+
+>>> from torchfix.testing import comfyui
+>>> comfy = comfyui.load()  # doctest: +SKIP
+>>> patcher = comfyui.tiny("flux")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MODELS", "BlockCounter", "TinyComfy", "blocks_of", "find_source", "load", "sample", "tiny"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def find_source() -> Path | None:
+    """A ComfyUI tarball or folder: ``$TORCHFIX_COMFYUI``, else the newest ``ComfyUI-*.tar.gz`` in ../shared/vendor."""
+    given = os.environ.get("TORCHFIX_COMFYUI")
+    if given:
+        return Path(given) if Path(given).exists() else None
+    vendor = REPO.parent / "shared" / "vendor"
+    found = sorted(vendor.glob("ComfyUI-*.tar.gz")) if vendor.is_dir() else []
+    return found[-1] if found else None
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("TORCHFIX_CACHE", Path.home() / ".cache" / "torchfix")) / "comfyui"
+
+
+def _extracted(source: Path) -> Path:
+    """The ``ComfyUI/`` folder: ``source`` itself, or the tarball extracted once into the cache."""
+    if source.is_dir():
+        return source if (source / "comfy").is_dir() else source / "ComfyUI"
+    target = _cache() / source.name.removesuffix(".tar.gz")
+    done = target / ".extracted"
+    if not done.exists():
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(source) as tar:
+            tar.extractall(target, filter="data")
+        done.touch()
+    return target / "ComfyUI"
+
+
+def _stand_in(root: Path) -> Path | None:
+    """An import-only ``torchvision`` for ComfyUI's model files that import it at module level (Cosmos, Cascade,
+    ACE): the package index has no torchvision for a CPU torch 2.13 (docs/comfyui.md). Only where none is installed."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return None
+    stub = root / "torchvision"
+    stub.mkdir(parents=True, exist_ok=True)
+    (stub / "__init__.py").write_text(
+        '"""Import-only stand-in for torchvision (torchfix tests of ComfyUI)."""\nfrom . import transforms  # noqa: F401\n'
+    )
+    (stub / "transforms.py").write_text('"""Import-only stand-in."""\n')
+    return root
+
+
+@functools.cache
+def load() -> tuple[Any, str]:
+    """``(nodes module, "")`` with ComfyUI importable on the CPU, or ``(None, why not)``."""
+    source = find_source()
+    if source is None:
+        return None, "no ComfyUI source: set TORCHFIX_COMFYUI or put ComfyUI-<version>.tar.gz in ../shared/vendor"
+    folder = _extracted(source)
+    stub = _stand_in(_cache() / "stand-in")
+    sys.path[:0] = [str(p) for p in (stub, folder) if p is not None]
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True  # before comfy.model_management is imported
+    try:
+        import nodes
+    except ImportError as exc:
+        return None, f"ComfyUI {folder} does not import here: {exc} (docs/comfyui.md lists the packages it needs)"
+    return nodes, ""
+
+
+@dataclass
+class TinyComfy:
+    """A tiny ComfyUI model and how to sample it: latent channels, frames, the conditioning width."""
+
+    name: str
+    patcher: Any
+    channels: int
+    frames: int = 0  # video latents: (B, C, frames, H, W)
+    context: int = 32
+    pooled: int = 0  # Flux-like, SDXL-like: a pooled text vector
+    adm: int = 0  # the width of the vector ``y`` the denoiser takes (SDXL: pooled + size embeddings; Flux: pooled)
+    sizes: tuple[tuple[int, int], ...] = ((13, 21), (15, 21))  # latent sizes tests sample at (odd ones round down and up)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def diffusion_model(self) -> torch.nn.Module:
+        return self.patcher.model.diffusion_model
+
+    def latent(self, height: int, width: int, batch: int = 1) -> torch.Tensor:
+        shape = (batch, self.channels, self.frames, height, width) if self.frames else (batch, self.channels, height, width)
+        return torch.zeros(shape)
+
+    def call(
+        self, x: torch.Tensor, sigma: float, *, seed: int = 0, passes: list[int] | None = None, control: Any = None, **options: Any
+    ) -> torch.Tensor:
+        """One denoiser call the way ComfyUI's sampler makes it (``BaseModel.apply_model``), for a batch of ``x``:
+        random conditioning drawn from ``seed``, ``passes`` as ``transformer_options["cond_or_uncond"]``."""
+        g = torch.Generator().manual_seed(seed)
+        batch = x.shape[0]
+        extra: dict[str, Any] = {}
+        if self.adm and self.name != "chroma":  # Chroma takes no pooled vector
+            extra["y"] = torch.randn(batch, self.adm, generator=g)
+        if self.name in ("flux", "chroma", "hunyuanvideo"):
+            extra["guidance"] = torch.full((batch,), 3.5)
+        context = torch.randn(batch, 7, self.context, generator=g)
+        opts = {"cond_or_uncond": list(passes if passes is not None else [0] * batch), **options}
+        with torch.inference_mode():  # as ComfyUI's executor runs every node
+            return self.patcher.model.apply_model(
+                x, torch.full((batch,), sigma), c_crossattn=context, control=control, transformer_options=opts, **extra
+            )
+
+    def conditioning(self, seed: int, tokens: int = 7) -> list:
+        g = torch.Generator().manual_seed(seed)
+        extra = {"pooled_output": torch.randn(1, self.pooled, generator=g)} if self.pooled else {}
+        return [[torch.randn(1, tokens, self.context, generator=g), {**extra, **self.extra}]]
+
+
+def _unet(**changes: Any) -> dict[str, Any]:
+    config = {
+        "image_size": 32,
+        "in_channels": 4,
+        "out_channels": 4,
+        "model_channels": 32,
+        "num_res_blocks": 1,
+        "channel_mult": [1, 2],
+        "transformer_depth": [1, 1],
+        "transformer_depth_output": [1, 1, 1, 1],
+        "transformer_depth_middle": 1,
+        "use_spatial_transformer": True,
+        "context_dim": 32,
+        "num_heads": 2,
+        "num_head_channels": -1,
+        "legacy": False,
+        "use_linear_in_transformer": False,
+        "adm_in_channels": None,
+        "use_temporal_attention": False,
+        "use_temporal_resblock": False,
+        "use_checkpoint": False,
+    }
+    return config | changes
+
+
+# name -> (supported_models class, unet_config, channels, frames, pooled width, extra conditioning)
+MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
+    "sd15": ("SD15", _unet(), 4, 0, 0),
+    "sdxl": ("SDXL", _unet(channel_mult=[1, 2, 2], transformer_depth=[0, 1, 1], transformer_depth_output=[0, 0, 1, 1, 1, 1],
+                           use_linear_in_transformer=True, adm_in_channels=32 + 6 * 256, num_classes="sequential"), 4, 0, 32),
+    "flux": ("Flux", {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
+                      "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3,
+                      "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True}, 16, 0, 32),
+    "wan": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "text_len": 16, "in_dim": 16,
+                          "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32, "out_dim": 16, "num_heads": 2,
+                          "num_layers": 4}, 16, 3, 0),
+    "chroma": ("Chroma", {"image_model": "chroma", "in_channels": 64, "out_channels": 64, "context_in_dim": 32, "hidden_size": 64,
+                          "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3, "axes_dim": [8, 12, 12],
+                          "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 64,
+                          "n_layers": 2}, 16, 0, 32),
+    "qwenimage": ("QwenImage", {"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 3,
+                                "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 32,
+                                "axes_dims_rope": (8, 12, 12)}, 16, 1, 0),
+    "hunyuanvideo": ("HunyuanVideo", {"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
+                                      "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2,
+                                      "depth_single_blocks": 2, "axes_dim": [8, 12, 12], "theta": 256, "patch_size": [1, 2, 2],
+                                      "qkv_bias": True, "guidance_embed": True, "byt5": False, "meanflow": False}, 16, 3, 32),
+}
+
+
+def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyComfy:
+    """A tiny ComfyUI model of kind ``name`` (:data:`MODELS`) in a ``ModelPatcher``, seeded random weights.
+
+    ComfyUI's layers skip weight initialisation (``comfy.ops.disable_weight_init``): every weight is drawn here.
+    """
+    nodes, why = load()
+    if nodes is None:
+        raise RuntimeError(why)
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    cls, config, channels, frames, pooled = MODELS[name]
+    model_config = getattr(comfy.supported_models, cls)(dict(config))
+    model_config.set_inference_dtype(dtype, None)
+    model = model_config.get_model({})
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            elif pname.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    adm = config.get("adm_in_channels") or config.get("vec_in_dim") or 0
+    sizes = ((12, 20), (14, 22)) if name == "hunyuanvideo" else ((13, 21), (15, 21))  # ComfyUI's HunyuanVideo needs even sizes
+    return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes)
+
+
+def sample(
+    model: TinyComfy,
+    patcher: Any = None,
+    *,
+    height: int | None = None,
+    width: int | None = None,
+    steps: int = 6,
+    cfg: float = 4.0,
+    seed: int = 1,
+    prompts: tuple[int, int] = (1, 2),
+    sampler: str = "euler",
+    scheduler: str = "normal",
+) -> torch.Tensor:
+    """ComfyUI's own sampling (``comfy.sample.sample``, as KSampler runs it) of ``patcher`` (default: the model's)
+    at a latent of ``height`` × ``width`` (× frames; default: the model's first size)."""
+    import comfy.sample
+
+    latent = model.latent(height or model.sizes[0][0], width or model.sizes[0][1])
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    positive, negative = (model.conditioning(p) for p in prompts)
+    with torch.inference_mode():  # as ComfyUI's executor runs every node
+        return comfy.sample.sample(
+            patcher or model.patcher, noise, steps, cfg, sampler, scheduler, positive, negative, latent, seed=seed, disable_pbar=True
+        )
+
+
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose calls count as the denoiser's work: a UNet's block layers (input, middle, output), a
+    transformer's blocks in its family's lists."""
+    from torchfix import families
+
+    family = families.find(model)
+    if family is not None and family.kind == "transformer":
+        return [block for spec in family.blocks for block in getattr(model, spec.attr)]
+    groups = [*model.input_blocks, model.middle_block, *model.output_blocks]
+    return [layer for group in groups if group is not None for layer in group]
+
+
+def _first_weighted(module: torch.nn.Module) -> torch.nn.Module:
+    """The first module inside ``module`` that holds weights of its own: it runs only where the block computes
+    (a cached block's forward is still called, and hands its input on)."""
+    return next((m for m in module.modules() if m is not module and any(True for _ in m.parameters(recurse=False))), module)
+
+
+class BlockCounter:
+    """Counts the blocks of ``model`` (:func:`blocks_of`) that computed while in use: calls of the first weighted
+    module inside each (forward hooks, removed on exit)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules = [_first_weighted(block) for block in blocks_of(model)]
+        self.calls = 0
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> BlockCounter:
+        def count(*_: Any) -> None:
+            self.calls += 1
+
+        self._handles = [m.register_forward_hook(count) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
