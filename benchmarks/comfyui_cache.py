@@ -24,12 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine, rel_l2, write_section
 
-from torchfix.comfyui import TorchfixCache
+from torchfix.comfyui import TorchfixCache, TorchfixGuards
 from torchfix.testing import comfyui
 
 TRAINED = ("sd15", "qwenimage")  # ComfyUI's Flux/Chroma/HunyuanVideo blocks update tensors in place: no autograd
 LATENT = (16, 16)  # the size the trained models learned (digits lifted to 16x16 latents)
 STEPS = 20
+EASY_THRESHOLDS = (0.2, 0.05, 0.01)  # EasyCache's default reuse threshold, and lower (less reuse, less error)
 
 
 def store() -> Path:
@@ -133,6 +134,10 @@ def measure(name: str, trained: bool, repeats: int, minutes: float) -> dict:
     size = LATENT if trained else model.sizes[1]
     (cached,) = TorchfixCache().patch(model.patcher, 3, 0.0, 0)
     errors, blocks, walls = [], {}, {"plain": [], "cache": []}
+    # ComfyUI core's own cache node, side by side on the trained models: its default threshold and two lower ones
+    easy = {t: easycache(model.patcher, t) for t in EASY_THRESHOLDS} if trained else {}
+    easy_errors: dict[float, list[float]] = {t: [] for t in easy}
+    easy_blocks: dict[float, list[int]] = {t: [] for t in easy}  # EasyCache's skips depend on the prompt
     for digit in range(repeats):
         plain, plain_blocks, plain_wall = run(model, model.patcher, size, digit, text)
         out, cached_blocks, cached_wall = run(model, cached, size, digit, text)
@@ -140,7 +145,12 @@ def measure(name: str, trained: bool, repeats: int, minutes: float) -> dict:
         blocks = {"plain": plain_blocks, "cache": cached_blocks}
         walls["plain"].append(plain_wall)
         walls["cache"].append(cached_wall)
+        for t, patcher in easy.items():
+            easy_out, n, _ = run(model, patcher, size, digit, text)
+            easy_blocks[t].append(n)
+            easy_errors[t].append(rel_l2(easy_out, plain))
     return {
+        "easycache": {t: (blocks["plain"] / statistics.median(easy_blocks[t]), statistics.median(easy_errors[t])) for t in easy},
         "name": name,
         "family": type(model.diffusion_model).__module__.removeprefix("comfy.ldm.") + "." + type(model.diffusion_model).__name__,
         "trained": trained,
@@ -150,6 +160,30 @@ def measure(name: str, trained: bool, repeats: int, minutes: float) -> dict:
         "wall": statistics.median(walls["plain"]) / statistics.median(walls["cache"]),
         "error": statistics.median(errors),
     }
+
+
+def easycache(patcher, threshold: float):
+    """ComfyUI core's EasyCache node on ``patcher`` (its defaults: reuse threshold 0.2, 15%..95% of the steps)."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    return EasyCacheNode.execute(patcher, threshold, 0.15, 0.95, False).result[0]
+
+
+def guards_cost(name: str, repeats: int) -> dict:
+    """The guards node on a sound model: sampling time plain and guarded (fix mode), interleaved; outputs compared."""
+    model = comfyui.tiny(name)
+    (guarded,) = TorchfixGuards().patch(model.patcher, "fix")
+    walls: dict[str, list[float]] = {"plain": [], "guarded": []}
+    same = True
+    for digit in range(repeats):
+        plain, _, plain_wall = run(model, model.patcher, model.sizes[0], digit, None)
+        out, _, guarded_wall = run(model, guarded, model.sizes[0], digit, None)
+        same &= torch.equal(out, plain)
+        walls["plain"].append(plain_wall)
+        walls["guarded"].append(guarded_wall)
+    plain_s, guarded_s = statistics.median(walls["plain"]), statistics.median(walls["guarded"])
+    per_call = (guarded_s - plain_s) / STEPS * 1e3  # cond and uncond batched: one denoiser call a step
+    return {"name": name, "plain": plain_s, "guarded": guarded_s, "same": same, "per_call_ms": per_call}
 
 
 def main() -> None:
@@ -167,7 +201,10 @@ def main() -> None:
         rows.append(measure(name, trained, 1 if args.quick else 3, args.minutes))
         r = rows[-1]
         blocks = f"{r['blocks']['plain']} -> {r['blocks']['cache']} ({r['work']:.2f}x)"
-        print(f"{name}: blocks {blocks}, wall {r['wall']:.2f}x, rel-L2 {r['error']:.4f}")
+        print(f"{name}: blocks {blocks}, wall {r['wall']:.2f}x, rel-L2 {r['error']:.4f}, EasyCache {r['easycache']}")
+    costs = [guards_cost(name, 1 if args.quick else 5) for name in ("sd15", "flux")]
+    for c in costs:
+        print(f"guards {c['name']}: {c['plain']:.3f} s plain, {c['guarded']:.3f} s guarded, bit-identical {c['same']}")
     if args.quick:
         return
     lines = [
@@ -188,6 +225,24 @@ def main() -> None:
         lines.append(
             f"| `{r['family']}` ({r['name']}) | {'trained' if r['trained'] else 'random'} | {r['size'][0]}×{r['size'][1]} | "
             f"{r['blocks']['plain']} → {r['blocks']['cache']} | {r['work']:.2f}× | {r['wall']:.2f}× | {err} |"
+        )
+    for r in rows:
+        for t, (work, error) in r["easycache"].items():
+            lines.append(
+                f"| ComfyUI's EasyCache (threshold {t}{', its default' if t == 0.2 else ''}) on ({r['name']}) | trained | "
+                f"{r['size'][0]}×{r['size'][1]} | — | {work:.2f}× | — | {error:.4f} |"
+            )
+    lines += [
+        "",
+        f"The guards node on a sound model (fix mode, {STEPS} steps, one denoiser call a step; median of 5 interleaved):",
+        "",
+        "| model | plain | guarded | per denoiser call | output |",
+        "|---|---|---|---|---|",
+    ]
+    for c in costs:
+        lines.append(
+            f"| {c['name']} | {c['plain'] * 1e3:.0f} ms | {c['guarded'] * 1e3:.0f} ms | +{c['per_call_ms']:.1f} ms | "
+            f"{'bit-identical' if c['same'] else 'DIFFERS'} |"
         )
     write_section("comfyui-cache", "\n".join(lines))
     print("written to docs/benchmarks.md (comfyui-cache)")
