@@ -55,7 +55,7 @@ def test_warn_mode_warns(suite):
 TESTING_IMPORT = """
 import pytest
 import torch
-import torchfix.testing  # imports torchfix, whose import switches the guards on
+{statement}
 
 
 def test_torch_rejects_a_mixed_dtype_linear():
@@ -65,11 +65,18 @@ def test_torch_rejects_a_mixed_dtype_linear():
 """
 
 
+def test_importing_torchfix_testing_leaves_torch_as_it_is(pytester, monkeypatch):
+    """A test helper's import has no side effect (#40): torch still rejects what it rejects."""
+    monkeypatch.delenv("TORCHFIX_MODE", raising=False)
+    pytester.makepyfile(test_plain=TESTING_IMPORT.format(statement="import torchfix.testing"))
+    pytester.runpytest_subprocess("-q").assert_outcomes(passed=1)
+
+
 def test_off_keeps_the_guards_off_even_where_a_test_imports_torchfix(pytester, monkeypatch):
     monkeypatch.delenv("TORCHFIX_MODE", raising=False)
-    pytester.makepyfile(test_plain=TESTING_IMPORT)
+    pytester.makepyfile(test_plain=TESTING_IMPORT.format(statement="import torchfix  # switches the guards on"))
     guarded = pytester.runpytest_subprocess("-q")
-    guarded.assert_outcomes(failed=1)  # the import's side effect (#40): the call was fixed, nothing raised
+    guarded.assert_outcomes(failed=1)  # the import's purpose: the call was fixed, nothing raised
     guarded.stdout.fnmatch_lines(["*DID NOT RAISE*"])
     off = pytester.runpytest_subprocess("-q", "--torchfix=off")
     off.assert_outcomes(passed=1)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,8 @@ def test_call_sites_skip_layer_wrappers_and_keep_the_layer_in_the_module_path(tm
     (tmp_path / "comfy" / "__init__.py").write_text("")
     (tmp_path / "comfy" / "ops.py").write_text(COMFY_OPS)
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("comfy", "comfy.ops"):  # ComfyUI's own, where tests/comfyui loaded it into this worker
+        monkeypatch.delitem(sys.modules, name, raising=False)
     from comfy import ops
 
     model = torch.nn.Sequential(ops.Linear(4, 3))

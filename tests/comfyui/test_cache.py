@@ -38,7 +38,7 @@ def latent(tiny: comfyui.TinyComfy, batch: int = 1, seed: int = 5) -> torch.Tens
 def test_every_comfyui_family_has_a_tiny_model():
     built = {families.find(comfyui.tiny(name).diffusion_model).name for name in comfyui.MODELS}
     registered = {name for name in families.names(builtin=True) if families.get(name).host == "comfyui"}
-    assert built == registered and len(registered) == 6
+    assert built == registered and len(registered) == 7
 
 
 def test_interval_1_is_bit_identical_and_remove_restores_the_model(tiny):
@@ -137,9 +137,9 @@ def test_a_signature_other_than_the_entrys_is_refused_before_anything_is_cached(
     assert torch.equal(comfyui.sample(tiny), plain)
 
 
-# ComfyUI's own compile of a tiny model takes 15-35 s on 2 cores (most of it its own graph breaks): make test compiles
-# the UNet (its cached steps are torchfix's own code, traced); the block engine compiles in tests/deepcache, and
-# TORCHFIX_COMFYUI_COMPILE_ALL=1 adds ComfyUI's Flux here.
+# ComfyUI's own compile of a tiny model takes 30-40 s on 2 cores (most of it its own graph breaks): make test compiles
+# the UNet (its cached steps are torchfix's own code, traced); TORCHFIX_COMFYUI_COMPILE_ALL=1 adds Flux (its graph
+# breaks leave blocks as frames of their own, past dynamo's recompile limit: what the order check must tolerate).
 COMPILED = ["sd15", "flux"] if os.environ.get("TORCHFIX_COMFYUI_COMPILE_ALL") == "1" else ["sd15"]
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
 
 import pytest
@@ -75,3 +77,20 @@ def test_the_cache_node_refuses_a_model_it_does_not_know():
     tiny.patcher.model.diffusion_model = torch.nn.Linear(2, 2)
     with pytest.raises(torchfix.UnsupportedModelError, match="Linear"):
         TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+
+
+def test_the_pack_names_the_linter_when_another_torchfix_answers(tmp_path):
+    """Meta's TorchFix linter installs the same import name: the pack says so and how to fix it, rather than fail
+    later on a missing module."""
+    (tmp_path / "torchfix").mkdir()
+    (tmp_path / "torchfix" / "__init__.py").write_text('"""TorchFix: a linter (stand-in)."""\n')
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('comfyui_torchfix', {str(PACK / '__init__.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "try:\n    spec.loader.exec_module(module)\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    # -S: no site-packages, so not this project's own editable install either: the stand-in is the torchfix found
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert "TorchFix linter" in out.stdout and "pip uninstall torchfix" in out.stdout, out.stdout + out.stderr

@@ -566,5 +566,6 @@ register(
         blocks=(joint("transformer_blocks"),),
     )
 )
+register(comfy("comfy-ltx", "LTX-Video in ComfyUI", "lightricks.model.LTXVModel", blocks=(single("transformer_blocks", "x"),)))
 
 builtin_done()

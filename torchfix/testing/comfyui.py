@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..errors import TorchfixError
+
 __all__ = ["MODELS", "BlockCounter", "TinyComfy", "blocks_of", "find_source", "load", "sample", "tiny"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +73,16 @@ def _stand_in(root: Path) -> Path | None:
     return root
 
 
+def _settle_torchvision_checks() -> None:
+    """transformers and diffusers each decide once whether torchvision is installed (and remember it): let them
+    decide before the stand-in exists, so that they never take it for torchvision."""
+    import importlib
+
+    for package in ("transformers", "diffusers"):
+        if importlib.util.find_spec(package) is not None:
+            importlib.import_module(f"{package}.utils").is_torchvision_available()
+
+
 @functools.cache
 def load() -> tuple[Any, str]:
     """``(nodes module, "")`` with ComfyUI importable on the CPU, or ``(None, why not)``."""
@@ -79,14 +91,24 @@ def load() -> tuple[Any, str]:
         return None, "no ComfyUI source: set TORCHFIX_COMFYUI or put ComfyUI-<version>.tar.gz in ../shared/vendor"
     folder = _extracted(source)
     stub = _stand_in(_cache() / "stand-in")
-    sys.path[:0] = [str(p) for p in (stub, folder) if p is not None]
+    if stub is not None:
+        _settle_torchvision_checks()
+    sys.path.insert(0, str(folder))
+    if stub is not None:
+        sys.path.insert(0, str(stub))
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = True  # before comfy.model_management is imported
     try:
+        import comfy.model_base  # every model file, the ones that import torchvision too
         import nodes
     except ImportError as exc:
         return None, f"ComfyUI {folder} does not import here: {exc} (docs/comfyui.md lists the packages it needs)"
+    finally:
+        if stub is not None:  # the stand-in served ComfyUI's imports only: diffusers must not think torchvision is here
+            sys.path.remove(str(stub))
+            for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+                del sys.modules[name]
     return nodes, ""
 
 
@@ -124,6 +146,8 @@ class TinyComfy:
             extra["y"] = torch.randn(batch, self.adm, generator=g)
         if self.name in ("flux", "chroma", "hunyuanvideo"):
             extra["guidance"] = torch.full((batch,), 3.5)
+        if self.name == "ltx":
+            extra["attention_mask"] = torch.ones(batch, 7, dtype=torch.long)
         context = torch.randn(batch, 7, self.context, generator=g)
         opts = {"cond_or_uncond": list(passes if passes is not None else [0] * batch), **options}
         with torch.inference_mode():  # as ComfyUI's executor runs every node
@@ -184,6 +208,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
                                       "context_in_dim": 32, "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2,
                                       "depth_single_blocks": 2, "axes_dim": [8, 12, 12], "theta": 256, "patch_size": [1, 2, 2],
                                       "qkv_bias": True, "guidance_embed": True, "byt5": False, "meanflow": False}, 16, 3, 32),
+    "ltx": ("LTXV", {"image_model": "ltxv", "in_channels": 128, "cross_attention_dim": 96, "attention_head_dim": 48,
+                     "num_attention_heads": 2, "caption_channels": 32, "num_layers": 3}, 128, 2, 0),
 }
 
 
@@ -194,7 +220,7 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
     """
     nodes, why = load()
     if nodes is None:
-        raise RuntimeError(why)
+        raise TorchfixError(f"torchfix.testing.comfyui: {why}")
     import comfy.model_patcher
     import comfy.supported_models
 
@@ -215,7 +241,8 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
     adm = config.get("adm_in_channels") or config.get("vec_in_dim") or 0
     sizes = ((12, 20), (14, 22)) if name == "hunyuanvideo" else ((13, 21), (15, 21))  # ComfyUI's HunyuanVideo needs even sizes
-    return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes)
+    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name == "ltx" else {}  # LTX's text mask (integer)
+    return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes, extra=extra)
 
 
 def sample(
