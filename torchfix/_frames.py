@@ -175,7 +175,7 @@ def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.
     return root, _ROOT_NAMES.get(root, ""), None if pipe is None else pipe()
 
 
-def under_dynamo(depth: int = 64) -> bool:
+def under_dynamo(depth: int = 1000) -> bool:
     """Whether this Python call was reached through torch.compile's frame evaluation (an ``OptimizedModule`` or a
     compiled function calling it, or a graph break running eagerly inside compiled code): some of the calls around
     it then run as compiled graphs, whose Python never runs. Reads up to ``depth`` frames.

@@ -51,6 +51,18 @@ def _release() -> None:
             patches.remove()
 
 
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Keep torchfix's wrappers installed through this block, switched on nowhere by it: ``enabled()`` blocks inside
+    then cost a context-variable switch, not an install and a removal each (ComfyUI's guards node holds them for a
+    sampling run and enables them per denoiser call). Outside every ``enabled()`` the wrappers call straight through."""
+    _hold()
+    try:
+        yield
+    finally:
+        _release()
+
+
 def enable(
     mode: str = "fix",
     *,

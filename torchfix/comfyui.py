@@ -27,7 +27,7 @@ from typing import Any
 
 from . import deepcache
 from ._report import Report, report
-from ._state import enabled
+from ._state import enabled, installed
 from .deepcache import DeepCacheConfig, streams
 from .errors import InvalidArgumentError
 
@@ -92,7 +92,8 @@ class GuardHolder:
         """``OUTER_SAMPLE`` wrapper: collects what the guards did in this sampling run, and logs it at its end."""
         self.calls, self._start = 0, len(report().events)
         try:
-            return executor(*args, **kwargs)
+            with installed():  # the wrappers stay in for the run; each denoiser call switches them on for itself
+                return executor(*args, **kwargs)
         finally:
             self.last = Report()
             for event in report().events[self._start :]:

@@ -353,12 +353,12 @@ def _observe(state: BlockState, position: int, read: Any, original: Any, args: t
                     rec.consumed.append((hit[1], index, pname))
     cached = state.config.keep_first <= index < layout.n_blocks - state.config.keep_last
     extends = cached and linked and bool(rec.runs) and rec.runs[-1][-1] == index - 1
-    before = {s: _marker(v) for s, v in inputs.items() if isinstance(v, torch.Tensor)}
+    before = {s: engine.marker(v) for s, v in inputs.items() if isinstance(v, torch.Tensor)}
     if cached and not extends:  # a run starts here: what enters it, as it is now (the block may update it in place)
         entering = {s: v.detach().clone() if isinstance(v, torch.Tensor) else v for s, v in inputs.items()}
     out = original(*args, **kwargs)
     values = _outputs(spec, out)
-    rec.inplace |= any(_changed(inputs[s], mark) for s, mark in before.items()) or any(
+    rec.inplace |= any(engine.changed(inputs[s], mark) for s, mark in before.items()) or any(
         any(v is given for given in inputs.values()) for v in (values or ()) if isinstance(v, torch.Tensor)
     )
     if values is None:
@@ -395,18 +395,6 @@ def _observe(state: BlockState, position: int, read: Any, original: Any, args: t
     kept = {s: v.detach().clone() for s, v in outputs.items() if isinstance(v, torch.Tensor)} if cached else None
     rec.seen.append(_Seen(position, outputs, linked, isinstance(out, (tuple, list)), kept))
     return out
-
-
-def _marker(tensor: torch.Tensor) -> int | torch.Tensor:
-    """What tells later whether ``tensor`` was changed in place: its version counter, or for an inference tensor
-    (ComfyUI runs every node under ``torch.inference_mode``: no version counter) a copy of it."""
-    return tensor.detach().clone() if tensor.is_inference() else tensor._version
-
-
-def _changed(tensor: torch.Tensor, marker: int | torch.Tensor) -> bool:
-    if isinstance(marker, torch.Tensor):
-        return not torch.equal(tensor, marker)
-    return tensor._version != marker
 
 
 def _close_run(state: BlockState, last: _Seen | None) -> None:

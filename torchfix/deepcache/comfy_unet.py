@@ -168,14 +168,6 @@ def shallow(
     return unet.out(h)
 
 
-def _changed_since(feature: torch.Tensor, marker: Any) -> bool:
-    """Whether the kept feature changed after it was kept (``marker``: its version counter, or a copy of an inference
-    tensor, which has none; ``None``: the feature is torchfix's own copy)."""
-    if marker is None:
-        return False
-    return not torch.equal(feature, marker) if isinstance(marker, torch.Tensor) else feature._version != marker
-
-
 # ComfyUI patch points that run on the deep feature or what follows it in the output path.
 IN_PLACE_PATCHES = ("output_block_patch",)
 
@@ -207,7 +199,7 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
                 state.capturing = False
                 state.pending = {}
                 raise
-            if capturing and (0 not in state.pending or _changed_since(state.pending[0], state.feature_marker)):
+            if capturing and (0 not in state.pending or engine.changed(state.pending[0], state.feature_marker)):
                 what = "never ran its last layer (a patch replaced it?)" if 0 not in state.pending else "was changed in place after it"
                 state.capturing, state.pending = False, {}
                 raise UnsupportedModelError(

@@ -30,11 +30,13 @@ __all__ = [
     "MODES",
     "CacheState",
     "Stream",
+    "changed",
     "context_listener",
     "decide",
     "for_this_step",
     "keep_pending",
     "keep_reference",
+    "marker",
     "probe",
     "ranks",
 ]
@@ -241,6 +243,19 @@ def for_this_step(state: CacheState, run: int = 0) -> Value:
     stream = state.current
     history = stream.run_history(run)
     return forecast(history, stream.step - 1, state.config.forecast) if state.config.forecast else history[-1][1]
+
+
+def marker(tensor: torch.Tensor) -> int | torch.Tensor:
+    """What tells later whether ``tensor`` was changed in place (:func:`changed`): its version counter, or, for an
+    inference tensor (ComfyUI runs every node under ``torch.inference_mode``: no version counter), a copy of it."""
+    return tensor.detach().clone() if tensor.is_inference() else tensor._version
+
+
+def changed(tensor: torch.Tensor, mark: int | torch.Tensor | None) -> bool:
+    """Whether ``tensor`` changed since :func:`marker` gave ``mark`` (``None``: nothing to tell, unchanged)."""
+    if mark is None:
+        return False
+    return not torch.equal(tensor, mark) if isinstance(mark, torch.Tensor) else tensor._version != mark
 
 
 def context_listener(state_ref: weakref.ref[CacheState]) -> Any:

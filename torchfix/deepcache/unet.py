@@ -87,7 +87,7 @@ def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool) -> Any:
         if state is not None and state.capturing and state.current is not None:
             kept = h.detach().clone() if state.copy_feature else h.detach()
             state.pending[0] = kept  # joins the stream's history after the call, outside any graph
-            state.feature_marker = None if state.copy_feature else (kept.clone() if kept.is_inference() else kept._version)
+            state.feature_marker = None if state.copy_feature else engine.marker(kept)
 
     if pre:
 
