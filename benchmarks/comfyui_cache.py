@@ -241,7 +241,7 @@ def main() -> None:
     ]
     for c in costs:
         lines.append(
-            f"| {c['name']} | {c['plain'] * 1e3:.0f} ms | {c['guarded'] * 1e3:.0f} ms | +{c['per_call_ms']:.1f} ms | "
+            f"| {c['name']} | {c['plain'] * 1e3:.0f} ms | {c['guarded'] * 1e3:.0f} ms | {c['per_call_ms']:+.1f} ms | "
             f"{'bit-identical' if c['same'] else 'DIFFERS'} |"
         )
     write_section("comfyui-cache", "\n".join(lines))
