@@ -221,7 +221,7 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
 
 def apply(unet: torch.nn.Module, family: Family, config: DeepCacheConfig, layout: ComfyLayout) -> UNetState:
     """Install the capture hook and the ``_forward`` on ComfyUI's ``unet`` (the caller registers the state)."""
-    state = UNetState(family, config, unet._forward, layout=layout)  # type: ignore[arg-type]
+    state = UNetState(family, config, unet._forward, layout=layout, check_feature=True)  # type: ignore[arg-type]
     state.follow(unet)
     producer = unet.output_blocks[layout.n_outputs - 2 - config.branch]
     last = producer[-1] if len(producer) else producer

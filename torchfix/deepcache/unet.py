@@ -46,6 +46,7 @@ class UNetState(engine.CacheState):
     layout: Layout | None = None
     capturing: bool = False
     copy_feature: bool = False  # the host changes the feature in place after it is made (ComfyUI's FreeU): keep a copy
+    check_feature: bool = False  # check that the kept feature is not changed after it was kept (ComfyUI's UNet)
     feature_marker: Any = None  # what tells whether the kept feature changed after it was kept (version, or a copy)
 
     @property
@@ -87,7 +88,9 @@ def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool) -> Any:
         if state is not None and state.capturing and state.current is not None:
             kept = h.detach().clone() if state.copy_feature else h.detach()
             state.pending[0] = kept  # joins the stream's history after the call, outside any graph
-            state.feature_marker = None if state.copy_feature else engine.marker(kept)
+            if state.check_feature:  # eager only: a compiled graph keeps no Python state (and must not guard on versions)
+                checkable = not state.copy_feature and not torch.compiler.is_compiling()
+                state.feature_marker = engine.marker(kept) if checkable else None
 
     if pre:
 
