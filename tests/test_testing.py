@@ -41,3 +41,30 @@ def test_flops_count_attention_on_the_cpu_flash_path():
     q = torch.randn(1, 2, 16, 8)
     assert flops(lambda: F.scaled_dot_product_attention(q, q, q)) == 4 * 2 * 16 * 16 * 8  # torch's counter alone: 0
     assert flops(lambda: torch.randn(2, 3) @ torch.randn(3, 4)) == 2 * 2 * 3 * 4
+
+
+def test_flops_equal_torchs_flop_counter_on_the_demos_pipelines():
+    """The lean count (no module tracking, no decomposition) adds up to FlopCounterMode's, cached steps included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import torchfix
+    from torchfix import testing
+
+    def counted(run):
+        mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: testing._cpu_flash_flops}
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            run()
+        return int(counter.get_total_flops())
+
+    pipe = testing.tiny_sdxl_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        return testing.latents(pipe, steps=4, size=(64, 96))
+
+    assert testing.flops(generate) == counted(generate) > 0
+    torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=3, branch=0))
+    try:
+        assert testing.flops(generate) == counted(generate) > 0
+    finally:
+        torchfix.deepcache.remove(pipe)

@@ -12,6 +12,7 @@ False
 """
 
 from . import deepcache, devices, kernels
+from ._frames import traceback_filtering
 from ._kept import keep_dtype
 from ._report import FixEvent, Report, report
 from ._state import Status, current, disable, enable, enabled, is_enabled, status
@@ -75,6 +76,7 @@ __all__ = [
     "remove_known_issue",
     "report",
     "status",
+    "traceback_filtering",
     "wrap",
 ]
 

@@ -10,11 +10,24 @@ import os
 import sys
 import sysconfig
 import weakref
-from types import FrameType
+from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["call_site", "in_library", "module_chain", "module_path", "name_root", "owner", "uncompiled"]
+from .config import env_traceback_filtering
+from .errors import TorchfixError
+
+__all__ = [
+    "call_site",
+    "hide",
+    "in_library",
+    "module_chain",
+    "module_path",
+    "name_root",
+    "owner",
+    "traceback_filtering",
+    "uncompiled",
+]
 
 # Libraries whose own internal promotions are theirs, not the user's to fix (diffusers' SDXL UNet concatenates
 # bf16 text embeddings with fp32 time embeddings and casts the result back on the next line).
@@ -235,3 +248,50 @@ def module_path(chain: list[torch.nn.Module]) -> str | None:
     if name is None:
         name = type(leaf).__name__
     return f"{prefix}.{name}" if prefix else name
+
+
+# --- tracebacks ---------------------------------------------------------------------------------------------
+
+_FILTERING = [env_traceback_filtering()]
+
+
+def traceback_filtering(on: bool | None = None) -> bool:
+    """Whether torchfix leaves its own frames out of the tracebacks of errors that are not its own (an error
+    torch, a library or the user's code raised through a torchfix wrapper); with ``on`` given, set it first.
+    On by default; ``TORCHFIX_TRACEBACK_FILTERING=off`` starts with it off. torchfix's own errors
+    (:class:`torchfix.TorchfixError`) keep every frame.
+
+    >>> import torchfix
+    >>> before = torchfix.traceback_filtering(False)   # every frame, as when debugging torchfix itself
+    >>> torchfix.traceback_filtering(before)
+    False
+    """
+    if on is not None:
+        if not isinstance(on, bool):
+            raise TypeError(f"torchfix.traceback_filtering(on=...) takes True, False or None, not {type(on).__name__}")
+        _FILTERING[0] = on
+    return _FILTERING[0]
+
+
+def hide(exc: BaseException, also: tuple[str, ...] = ()) -> None:
+    """Drop torchfix's frames from ``exc``'s traceback, for a bare ``raise`` right after (which, unlike
+    ``raise exc``, adds no frame): the user's traceback then ends where plain torch's would. Called only on
+    the way out of a wrapper with an error that is not torchfix's; JAX filters its frames the same way.
+    ``also``: more file-name prefixes whose frames go too (``torchfix run``'s runpy)."""
+    if not _FILTERING[0] or isinstance(exc, TorchfixError):
+        return
+    tb = exc.__traceback__
+    kept: list[TracebackType] = []
+    dropped = False
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith((_TORCHFIX_DIR, *also)):
+            dropped = True
+        else:
+            kept.append(tb)
+        tb = tb.tb_next
+    if not dropped:
+        return
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    exc.__traceback__ = rebuilt

@@ -22,7 +22,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, TorchfixError
 
 __all__ = ["build_parser", "main"]
 
@@ -60,11 +60,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    except KeyboardInterrupt:  # Ctrl-C: the traceback and exit status Python itself gives (128 + SIGINT)
-        traceback.print_exc()
+    except KeyboardInterrupt as exc:  # Ctrl-C: the traceback and exit status Python itself gives (128 + SIGINT)
+        _print_script_error(exc)
         code = 130
-    except BaseException:  # the script's error is shown as Python would, never swallowed
-        traceback.print_exc()
+    except BaseException as exc:  # the script's error is shown as Python would, never swallowed
+        _print_script_error(exc)
         code = 1
     finally:
         print(f"\n{torchfix.report().summary(verbose=args.verbose)}", file=sys.stderr)
@@ -72,6 +72,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             torchfix.report().to_json(args.report)
             print(f"torchfix: report written to {args.report} (JSON)", file=sys.stderr)
     return code
+
+
+_RUNPY = (runpy.__file__, "<frozen runpy>")
+
+
+def _print_script_error(exc: BaseException) -> None:
+    """The script's error as ``python SCRIPT`` prints it: without this command's and runpy's frames (and torchfix's,
+    unless traceback filtering is off: ``TORCHFIX_TRACEBACK_FILTERING=off``)."""
+    from ._frames import hide, traceback_filtering
+
+    if traceback_filtering() and not isinstance(exc, TorchfixError):
+        hide(exc, also=_RUNPY)
+    elif exc.__traceback__ is not None:  # torchfix's own error, or filtering off: only the command's frames go
+        tb = exc.__traceback__
+        while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or tb.tb_frame.f_code.co_filename.startswith(_RUNPY)):
+            tb = tb.tb_next
+        exc.__traceback__ = tb
+    traceback.print_exception(exc)
 
 
 # --- doctor ----------------------------------------------------------------------------------------
@@ -196,7 +214,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"torchfix demo needs diffusers and transformers: pip install 'torchfix-diffusion[diffusers]' ({exc})", file=sys.stderr)
         return 2
-    return demo.main(quick=args.quick)
+    return demo.main(quick=args.quick, full=args.full)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchfix {__version__} (distribution {DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the five incidents, plain torch vs torchfix, and the DeepCache speedup")
-    demo.add_argument("--quick", action="store_true", help="smaller sizes (for tests); the full demo is a few minutes on 2 cores")
+    demo.add_argument("--quick", action="store_true", help="smaller sizes for the speedup line (for tests)")
+    demo.add_argument("--full", action="store_true", help="also the SD1.5-like speedup line (two more minutes on 2 cores)")
     demo.set_defaults(fn=cmd_demo)
     run = sub.add_parser("run", help="run an unmodified script or module with the guards on")
     run.add_argument("--mode", choices=("fix", "warn", "strict"), default="fix", help="fix (the default), warn or strict")

@@ -19,7 +19,16 @@ import torch
 from ._text import dtype_name
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
-__all__ = ["DEVICE_POLICIES", "GUARDS", "MODES", "Settings", "env_max_events", "env_mode", "installed_version"]
+__all__ = [
+    "DEVICE_POLICIES",
+    "GUARDS",
+    "MODES",
+    "Settings",
+    "env_max_events",
+    "env_mode",
+    "env_traceback_filtering",
+    "installed_version",
+]
 
 
 def installed_version(package: str) -> str:
@@ -185,3 +194,15 @@ def env_kernels() -> bool | None:
     if raw in _FALSE:
         return False
     raise InvalidArgumentError(f"torchfix: TORCHFIX_KERNELS={raw!r} is not valid; use 1, 0 or auto.")
+
+
+def env_traceback_filtering() -> bool:
+    """Whether torchfix's own frames are left out of the tracebacks of errors that are not torchfix's
+    (``TORCHFIX_TRACEBACK_FILTERING``: on by default; ``off`` or ``0`` shows every frame, as JAX's
+    ``JAX_TRACEBACK_FILTERING=off`` does)."""
+    raw = os.environ.get("TORCHFIX_TRACEBACK_FILTERING", "").strip().lower()
+    if raw in ("", "auto") or raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise InvalidArgumentError(f"torchfix: TORCHFIX_TRACEBACK_FILTERING={raw!r} is not valid; use on or off.")

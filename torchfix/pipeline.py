@@ -446,7 +446,11 @@ class PipelineProxy(wrapt.ObjectProxy):
         time, in the order they get its lock (a pipeline holds one scheduler, one DeepCache state and one set of
         hooks: run at once, the calls would mix them; run in turn, each returns what a lone call returns)."""
         with _call_lock(self.__wrapped__):
-            return self._call(*args, **kwargs)
+            try:
+                return self._call(*args, **kwargs)
+            except Exception as exc:  # the pipeline's own error: its traceback ends where a plain call's would
+                _frames.hide(exc)
+                raise
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         mode = self._mode()

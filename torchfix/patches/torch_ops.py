@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _context, _frames, runtime
+from .._frames import hide
 from ..guards import known_issues as ki
 from ..guards.ops import SPECS, OpSpec
 from ..runtime import widths
@@ -237,14 +238,23 @@ def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except _ODD:
             look = True
         if look:
-            return general(args, kwargs)
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
@@ -262,14 +272,23 @@ def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except _ODD:
             look = True
         if look:
-            return general(args, kwargs)
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
@@ -287,14 +306,23 @@ def _linear(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except _ODD:
             look = True
         if look:
-            return general(args, kwargs)
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
@@ -312,14 +340,23 @@ def _conv(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except _ODD:
             look = True
         if look:
-            return general(args, kwargs)
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
@@ -337,14 +374,23 @@ def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except _ODD:
             look = True
         if look:
-            return general(args, kwargs)
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
@@ -361,8 +407,13 @@ def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except Exception as exc:
             settings = failed(exc, args, kwargs)
             if settings is None:
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
@@ -386,7 +437,11 @@ def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
         except _ODD:
             look = True
         if look:
-            return general(args, kwargs)
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
@@ -395,8 +450,13 @@ def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
                 explained = _explain_cat(exc, args, kwargs)
                 if explained is not None:
                     raise explained from exc  # torch's own error stays its cause
+                hide(exc)
                 raise
-        return slow(spec, orig, settings, args, kwargs)
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
 
     return wrapper
 
