@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/torchfix demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check torchfix torchfix_pytest.py tests benchmarks examples comfyui-torchfix
+	$(BIN)/ruff check torchfix torchfix_pytest.py torchfix_diffusion.py tests benchmarks examples comfyui-torchfix
 
 # Two workers (pytest-xdist), one torch thread each: the tests are many small models, so two processes finish in
 # about half the time of one on two cores. TEST_WORKERS=0 runs them in this process.

@@ -22,6 +22,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from torchfix_diffusion import clash
+
 from .errors import InvalidArgumentError, TorchfixError
 
 __all__ = ["build_parser", "main"]
@@ -105,13 +107,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from torchfix.guards import known_issues as ki
 
     print(f"torchfix {torchfix.__version__} on Python {platform.python_version()} ({platform.system()} {platform.release()})")
-    for name, summary in _foreign_torchfix():
-        what = "Meta's TorchFix linter" if "lint" in summary.lower() else f"another distribution ({summary or 'no summary'})"
-        print(
-            f"\nWARNING: the distribution {name!r}, {what}, also installs the `torchfix` import package; the two overwrite each "
-            f"other's files. This project installs as {DISTRIBUTION!r}. Fix: pip uninstall -y {name} && pip install --force-reinstall "
-            f"{DISTRIBUTION}"
-        )
+    found = clash()
+    if found.found:  # Meta's TorchFix linter installs the same import package and console script
+        print(f"\nWARNING: {found.message()}")
     print("\npackages")
     for name in _PACKAGES:
         print(f"  {name:13s} {installed_version(name)}")
@@ -141,15 +139,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 2
     print(f"\nmode from TORCHFIX_MODE: {os.environ.get('TORCHFIX_MODE', 'fix (default)')}")
     return 0
-
-
-def _foreign_torchfix() -> list[tuple[str, str]]:
-    """Installed distributions other than ours that provide the ``torchfix`` import package, with their summaries
-    (``pip install torchfix`` is Meta's TorchFix linter, which installs the same import package and console script)."""
-    from importlib.metadata import metadata, packages_distributions
-
-    names = sorted({d for d in packages_distributions().get("torchfix", []) if d.lower().replace("_", "-") != DISTRIBUTION})
-    return [(name, metadata(name).get("Summary") or "") for name in names]
 
 
 # --- audit -------------------------------------------------------------------------------------------
