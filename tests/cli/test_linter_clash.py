@@ -48,7 +48,7 @@ def _run(cmd: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess
 def test_the_linter_answering_import_torchfix_is_named_with_the_two_fixes(tmp_path):
     site = _linter(tmp_path / "site")  # first on the path: `import torchfix` finds the linter
     commands = ([sys.executable, "-m", "torchfix_diffusion"], [str(BIN / "torchfix-diffusion")], [str(BIN / "torchfix")])
-    for cmd in (c + ["doctor"] for c in commands):
+    for cmd in ([*c, "doctor"] for c in commands):
         r = _run(cmd, tmp_path, PYTHONPATH=str(site))
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr and "ImportError" not in r.stderr
