@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchfix-installed
 
-.PHONY: demo test lint bench denoisers clean
+.PHONY: demo test test-quick lint bench denoisers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
+
+# The quick part (about a third of the time): no compiles, no subprocesses, no ComfyUI sampler (tests/conftest.py
+# marks those slow). For a change to the guards, the cache's logic or wrap; `make test` before pushing.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 # The denoisers the cache benchmark measures on (three image models and a video one), trained here on
 # scikit-learn's digits (~1 CPU-hour);

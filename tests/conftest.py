@@ -37,3 +37,17 @@ def _no_leaks():
     state_ok = _context.get_global() is OFF and _context.scoped.get() is None
     assert not still, f"patches left installed after the test: {still}"
     assert state_ok, "torchfix state left on after the test"
+
+
+# `make test-quick` (-m "not slow") leaves out what takes seconds a test: compiling (torch.compile), subprocesses
+# (the CLI, the examples, the pytest plugin, fresh interpreters), ComfyUI's sampler, several processes; the rest,
+# every guard, the cache's logic and wrap, runs. `make test` runs everything.
+_SLOW_MODULES = ("tests/cli/", "tests/comfyui/", "tests/test_examples.py", "tests/test_pytest_plugin.py", "tests/test_seed_clip.py")
+_SLOW_NAMES = ("compil", "fresh_process", "subprocess", "data_parallel", "context_parallel")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path.startswith(_SLOW_MODULES) or any(s in item.name for s in _SLOW_NAMES):
+            item.add_marker(pytest.mark.slow)

@@ -154,3 +154,21 @@ def test_autocast_regions_are_named_and_their_casts_are_not_torchfix_casts():
     assert hazards(report) == [("", "aten.add.Tensor", "fp32-promotion")]  # autocast's own casts feed aten.linear: no mixed-dtype
     assert "inside torch.autocast(cpu, bfloat16)" in report.findings[0].detail
     assert "torchfix-audit:" in report.ir  # the locations the findings were mapped through
+
+
+def test_transformers_text_encoders_audit():
+    """CLIP and T5 keep position ids as non-persistent buffers, which torch.export puts in `constants`: torch-mlir's
+    importer failed with "Could not find state mapping for buffer" (llvm/torch-mlir#4744), so the README's own stray
+    `text_projection` could not be audited (#40)."""
+    pytest.importorskip("transformers")
+    from torchfix import testing
+
+    ids = torch.zeros(1, 77, dtype=torch.long)
+    clip = testing.tiny_text_encoder(with_projection=True)
+    assert torchfix.audit(clip, ids).findings == []
+    assert torchfix.audit(testing.tiny_t5_encoder(), ids[:, :16]).findings == []
+    clip.text_projection.to(torch.float16)  # the stray layer of a bf16/fp32 pipeline
+    found = torchfix.audit(clip, ids).findings
+    assert [(f.module, f.op, f.hazard) for f in found] == [("text_projection", "aten.linear", "mixed-dtype")]
+    assert "plain torch raises" in found[0].detail
+    assert clip.text_projection.weight.dtype == torch.float16  # audited, not changed

@@ -37,7 +37,7 @@ import contextlib
 import itertools
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,9 @@ _STRICT_OPS = re.compile(r"torch\.aten\.(mm|bmm|matmul|linear|addmm|baddbmm|_?co
 _PROMOTING_OPS = re.compile(r"torch\.aten\.(add|sub|mul|div|cat|where|maximum|minimum)(\.\w+)?$")
 _CASTS = ("torch.aten._to_copy", "torch.prims.convert_element_type", "torch.aten.to.dtype")
 _LOW = ("f16", "bf16")
+_FLOATS = ("f16", "bf16", "f32", "f64")
+# ops that raise on operands of two float dtypes (attention is left out: torch takes a float mask of another dtype)
+_SAME_DTYPE_OPS = re.compile(r"torch\.aten\.(mm|bmm|matmul|linear|addmm|baddbmm|_?convolution|conv[123]d)$")
 
 # exported aten op -> (known-issue family, parameter names)
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -360,6 +363,17 @@ def _ir_findings(module: Any, ir: Any, table: dict[str, _Node]) -> list[AuditFin
                 )
             )  # fmt: skip
             continue
+        floats = {t[1] for t, _ in args if t[1] in _FLOATS}
+        if _SAME_DTYPE_OPS.match(op.name) and len(floats) > 1:  # traced as is (export's fake kernels may not check dtypes)
+            found.append(
+                AuditFinding(
+                    node.module, short, "mixed-dtype",
+                    f"{short}({before}): plain torch raises at run time; torchfix casts to the model's dtype{where}",
+                    "cast the module (or the tensor) to one dtype once, e.g. module.to(dtype), or torchfix.wrap(pipe)",
+                    True,
+                )
+            )  # fmt: skip
+            continue
         result = _vtensor(op.results[0]) if len(op.results) else None
         if not _PROMOTING_OPS.match(op.name) or result is None or result[1] != "f32":
             continue
@@ -406,6 +420,22 @@ def _quiet_tools() -> Iterator[None]:
         for category in (FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category, module=r"(copyreg|torch|torch_mlir)(\.|$)")
         yield
+
+
+def _lift_non_persistent_buffers(ep: Any) -> None:
+    """torch-mlir's importer looks every buffer up in ``state_dict``, but ``torch.export`` keeps a buffer registered
+    with ``persistent=False`` (CLIP's and T5's ``position_ids``, RoPE's ``inv_freq``) in ``constants``: the import
+    failed with "Could not find state mapping for buffer" (llvm/torch-mlir#4744). As the fix proposed there
+    (torch-mlir#4745) does, the importer is also shown those buffers, here by putting them in the exported program's
+    state dict (the program is torchfix's own, made for this audit; the model is untouched)."""
+    state = getattr(ep, "state_dict", None)
+    constants = getattr(ep, "constants", None)
+    buffers = getattr(getattr(ep, "graph_signature", None), "inputs_to_buffers", None)
+    if not isinstance(state, dict) or not isinstance(constants, Mapping) or not isinstance(buffers, Mapping):
+        return
+    for name in buffers.values():
+        if name not in state and isinstance(constants.get(name), torch.Tensor):
+            state[name] = constants[name]
 
 
 def audit(
@@ -468,7 +498,9 @@ def audit(
     table = _tag(ep, wrapped)
     try:
         with _quiet_tools():
-            module = mlir_fx.export_and_import(ep, decomposition_table=DECOMPOSITIONS)
+            ep = ep.run_decompositions(DECOMPOSITIONS)  # here, not in torch-mlir: the buffers are lifted after it
+            _lift_non_persistent_buffers(ep)
+            module = mlir_fx.export_and_import(ep, decomposition_table={})  # {}: decomposed already
     except Exception as exc:
         raise AuditError(f"torchfix.audit: torch-mlir could not import the exported graph: {type(exc).__name__}: {exc}") from exc
     report.ir = module.operation.get_asm(enable_debug_info=True)

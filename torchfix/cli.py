@@ -1,7 +1,7 @@
 """The ``torchfix`` command (also ``python -m torchfix``).
 
     torchfix demo                       the five incidents, plain vs torchfix, and DeepCache at 720x960
-    torchfix run [--mode M] [--report FILE] SCRIPT [ARGS...]   run an unmodified script with the guards on
+    torchfix run [--mode M] [--report FILE] [--deepcache] SCRIPT [ARGS...]   an unmodified script, guards on
     torchfix run [--mode M] [--report FILE] -m MODULE [ARGS...]
     torchfix doctor                     versions, devices, kernels, known issues in force here
     torchfix audit package.module:factory [--backend mps] [--torch-version V]
@@ -48,6 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ["TORCHFIX_MODE"] = args.mode  # child processes that import torchfix follow it
     torchfix.disable()
     torchfix.enable(args.mode)
+    if getattr(args, "deepcache", False):
+        torchfix.deepcache.auto(torchfix.DeepCacheConfig(interval=args.deepcache_interval))
     target = args.script if args.module is None else args.module
     sys.argv = [target, *args.args]
     code = 0
@@ -70,10 +72,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = 1
     finally:
         print(f"\n{torchfix.report().summary(verbose=args.verbose)}", file=sys.stderr)
+        if getattr(args, "deepcache", False):
+            print(_cache_summary(), file=sys.stderr)
         if getattr(args, "report", None):
             torchfix.report().to_json(args.report)
             print(f"torchfix: report written to {args.report} (JSON)", file=sys.stderr)
     return code
+
+
+def _cache_summary() -> str:
+    """One line per pipeline ``--deepcache`` cached: its steps, full and cached, over the run."""
+    import torchfix
+
+    applied = torchfix.deepcache.auto_applied()
+    if not applied:
+        return "torchfix: --deepcache: no diffusers pipeline ran a denoising loop"
+    lines = []
+    for name, full, cached in applied:
+        lines.append(f"torchfix: DeepCache on {name}: {cached} of {full + cached} denoiser steps cached")
+    return "\n".join(lines)
 
 
 _RUNPY = (runpy.__file__, "<frozen runpy>")
@@ -221,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=("fix", "warn", "strict"), default="fix", help="fix (the default), warn or strict")
     run.add_argument("--report", metavar="FILE", help="also write the report as JSON to FILE at exit (torchfix.report().to_json())")
     run.add_argument("--verbose", action="store_true", help="the report per call site, library-internal promotions included")
+    run.add_argument(
+        "--deepcache",
+        action="store_true",
+        help="also cache every diffusers pipeline the script runs (DeepCache; torchfix.deepcache.auto); a pipeline that "
+        "has a cache keeps its own",
+    )
+    run.add_argument("--deepcache-interval", type=int, default=3, metavar="N", help="with --deepcache: a full step every N (default 3)")
     run.add_argument("-m", dest="module", help="run a module as a script, like python -m")
     run.add_argument("script", nargs="?", help="the script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -248,9 +272,10 @@ def _env_error() -> str | None:
 
 
 def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Namespace:
-    """``run [--mode M] [--verbose] (SCRIPT | -m MODULE) ARGS...``: torchfix's options come before the
-    target; everything after the target belongs to it (``run train.py -m resnet`` runs train.py with ``-m resnet``)."""
-    mode, i, verbose, report = "fix", 0, False, None
+    """``run [--mode M] [--report FILE] [--verbose] [--deepcache [--deepcache-interval N]] (SCRIPT | -m MODULE)
+    ARGS...``: torchfix's options come before the target; everything after the target belongs to it (``run train.py
+    -m resnet`` runs train.py with ``-m resnet``)."""
+    mode, i, verbose, report, deepcache, interval = "fix", 0, False, None, False, "3"
     while i < len(rest) and rest[i].startswith("-") and rest[i] != "-m":
         option = rest[i]
         if option in ("-h", "--help"):
@@ -265,13 +290,21 @@ def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Nam
             report, i = option.split("=", 1)[1], i + 1
         elif option == "--verbose":
             verbose, i = True, i + 1
+        elif option == "--deepcache":
+            deepcache, i = True, i + 1
+        elif option == "--deepcache-interval" and i + 1 < len(rest):
+            interval, i = rest[i + 1], i + 2
+        elif option.startswith("--deepcache-interval="):
+            interval, i = option.split("=", 1)[1], i + 1
         else:
             parser.error(
                 f"run: unknown option {option!r} before the script; "
-                "torchfix run takes --mode, --report and --verbose, then SCRIPT or -m MODULE"
+                "torchfix run takes --mode, --report, --verbose, --deepcache and --deepcache-interval, then SCRIPT or -m MODULE"
             )
     if mode not in ("fix", "warn", "strict"):
         parser.error(f"run: --mode {mode!r} is not valid; use fix, warn or strict")
+    if not interval.isdigit() or int(interval) < 1:
+        parser.error(f"run: --deepcache-interval {interval!r} is not valid; use a whole number of steps, 1 or more")
     module = script = None
     if i < len(rest) and rest[i] == "-m":
         if i + 1 >= len(rest):
@@ -280,7 +313,16 @@ def _parse_run(parser: argparse.ArgumentParser, rest: list[str]) -> argparse.Nam
     elif i < len(rest):
         script, i = rest[i], i + 1
     return argparse.Namespace(
-        fn=cmd_run, command="run", mode=mode, verbose=verbose, report=report, module=module, script=script, args=rest[i:]
+        fn=cmd_run,
+        command="run",
+        mode=mode,
+        verbose=verbose,
+        report=report,
+        deepcache=deepcache,
+        deepcache_interval=int(interval),
+        module=module,
+        script=script,
+        args=rest[i:],
     )
 
 

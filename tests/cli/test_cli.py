@@ -193,3 +193,29 @@ def test_run_shows_the_scripts_traceback_as_python_does(tmp_path):
     trace = r.stderr.split("\ntorchfix:")[0].strip()
     assert trace == plain.stderr.strip()
     assert "runpy" not in r.stderr and "cli.py" not in r.stderr and "torch_ops.py" not in r.stderr
+
+
+def test_run_deepcache_caches_an_unmodified_scripts_pipeline(tmp_path):
+    """--deepcache: the script's pipeline returns what the same pipeline with the cache applied before it returns."""
+    import torch
+
+    import torchfix as tf
+    from torchfix import testing
+
+    script = tmp_path / "gen.py"
+    script.write_text(
+        "import sys, torch\nfrom torchfix import testing\n"
+        "pipe = testing.tiny_sd15_pipeline()\ntorch.save(testing.latents(pipe, steps=8), sys.argv[1])\n"
+    )
+    r = torchfix("run", "--deepcache", str(script), str(tmp_path / "out.pt"))
+    assert r.returncode == 0, r.stderr
+    assert "torchfix: DeepCache on StableDiffusionPipeline: 5 of 8 denoiser steps cached" in r.stderr
+    pipe = testing.tiny_sd15_pipeline()
+    tf.deepcache.apply(pipe, tf.DeepCacheConfig(interval=3))
+    try:
+        expected = testing.latents(pipe, steps=8)
+    finally:
+        tf.deepcache.remove(pipe)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+    bad = torchfix("run", "--deepcache-interval", "0", str(script))
+    assert bad.returncode == 2 and "--deepcache-interval" in bad.stderr

@@ -33,7 +33,7 @@ def cached_reference(steps=STEPS, **kwargs):
 
 @pytest.mark.parametrize("order", ["compile, then apply", "apply, then compile"])
 def test_a_compiled_unet_caches_and_stats_and_remove_see_through_the_wrapper(order):
-    pipe = tiny_sd15_pipeline()
+    pipe = tiny_sd15_pipeline(layers=1)  # one resnet per block: half the graph to trace
     plain = latents(pipe, steps=STEPS)
     original = pipe.unet
     if order == "compile, then apply":
@@ -43,7 +43,9 @@ def test_a_compiled_unet_caches_and_stats_and_remove_see_through_the_wrapper(ord
         deepcache.apply(pipe, CFG)
         pipe.unet = torch.compile(pipe.unet, backend="eager")
     out = latents(pipe, steps=STEPS)
-    assert torch.equal(out, cached_reference())  # what eager DeepCache computes
+    reference = tiny_sd15_pipeline(layers=1)
+    deepcache.apply(reference, CFG)
+    assert torch.equal(out, latents(reference, steps=STEPS))  # what eager DeepCache computes
     assert last(pipe) == (4, 5)
     for target in (pipe, pipe.unet, original):
         assert deepcache.stats(target)["applied"] and deepcache.state_of(target) is deepcache.state_of(original)
@@ -173,7 +175,7 @@ def test_a_graph_compiled_before_deepcache_went_in_does_not_skip_it():
 def _compiled_before_deepcache_went_in() -> None:
     from torchfix.testing import tiny_sdxl_unet
 
-    unet = tiny_sdxl_unet()
+    unet = tiny_sdxl_unet(layers=1)  # only runs the UNet class's frames out of recompiles: the lighter graph does
     deepcache.apply(unet, torchfix.DeepCacheConfig(interval=2, warm_up=False, branch=1))
     compiled = torch.compile(unet, backend="eager", dynamic=False)
     with torch.no_grad():
@@ -194,3 +196,23 @@ def _compiled_before_deepcache_went_in() -> None:
     assert torch.equal(latents(pipe, steps=STEPS), cached_reference())
     assert last(pipe) == (4, 5)
     deepcache.remove(pipe)
+
+
+@pytest.mark.parametrize("build", ["tiny_sd15_pipeline", "tiny_flux_pipeline"])
+def test_a_pipeline_dropped_with_its_cache_on_is_freed(build):
+    """Model switching without remove(): the cache's state lived in a WeakKeyDictionary whose value (the state, holding
+    the hooks it puts back) reached its key, so the model and the pipeline were never freed (#40's memory point)."""
+    import gc
+    import weakref
+
+    from torchfix import testing
+
+    pipe = getattr(testing, build)()
+    pipe.set_progress_bar_config(disable=True)
+    deepcache.apply(pipe, CFG if build == "tiny_sd15_pipeline" else torchfix.DeepCacheConfig(interval=3))
+    latents(pipe, steps=6)
+    denoiser = weakref.ref(getattr(pipe, "unet", None) or pipe.transformer)
+    state = weakref.ref(deepcache.state_of(pipe))
+    del pipe
+    gc.collect()
+    assert denoiser() is None and state() is None

@@ -8,7 +8,20 @@ Wan, HunyuanVideo, LTX, ...).
 """
 
 from ..errors import UnsupportedModelError, UnsupportedUNetError
-from .api import DeepCacheState, TransformerCacheState, apply, check, denoisers, new_call, remove, state_of, states_of, stats
+from .api import (
+    DeepCacheState,
+    TransformerCacheState,
+    apply,
+    auto,
+    auto_applied,
+    check,
+    denoisers,
+    new_call,
+    remove,
+    state_of,
+    states_of,
+    stats,
+)
 from .blocks import BlockState, TransformerLayout, analyse_transformer
 from .config import DeepCacheConfig, full_steps, is_full_step
 from .engine import CacheState
@@ -29,6 +42,8 @@ __all__ = [
     "analyse",
     "analyse_transformer",
     "apply",
+    "auto",
+    "auto_applied",
     "check",
     "denoisers",
     "full_steps",

@@ -30,12 +30,49 @@ from .engine import CacheState
 from .layout import Layout, analyse
 from .unet import UNetState, apply_unet
 
-__all__ = ["DENOISERS", "apply", "check", "denoisers", "new_call", "remove", "state_of", "states_of", "stats"]
+__all__ = [
+    "DENOISERS",
+    "apply",
+    "at_loop_start",
+    "auto",
+    "auto_applied",
+    "check",
+    "denoisers",
+    "new_call",
+    "remove",
+    "state_of",
+    "states_of",
+    "stats",
+]
 
 log = logging.getLogger("torchfix")
 
 
-_STATES: weakref.WeakKeyDictionary[torch.nn.Module, CacheState] = weakref.WeakKeyDictionary()
+class _StateTable:
+    """Each denoiser's cache state, kept on the denoiser itself (in its ``__dict__``). Not a WeakKeyDictionary: a
+    state holds its model strongly (the hooks it put back at ``remove``), and a WeakKeyDictionary whose value reaches
+    its key keeps both alive for good, so a pipeline dropped with its cache still on (model switching without
+    ``remove``) was never freed. On the model, state and model are one cycle the garbage collector frees."""
+
+    _ATTR = "_torchfix_deepcache_state"
+
+    def get(self, model: torch.nn.Module, default: CacheState | None = None) -> CacheState | None:
+        return vars(model).get(self._ATTR, default)
+
+    def __contains__(self, model: torch.nn.Module) -> bool:
+        return self._ATTR in vars(model)
+
+    def __getitem__(self, model: torch.nn.Module) -> CacheState:
+        return vars(model)[self._ATTR]
+
+    def __setitem__(self, model: torch.nn.Module, state: CacheState) -> None:
+        vars(model)[self._ATTR] = state
+
+    def pop(self, model: torch.nn.Module, default: CacheState | None = None) -> CacheState | None:
+        return vars(model).pop(self._ATTR, default)
+
+
+_STATES = _StateTable()
 
 
 def denoisers(target: Any) -> tuple[list[tuple[str, torch.nn.Module]], Any]:
@@ -263,3 +300,58 @@ def remove(target: Any) -> None:
 # The names the states had before every family shared one engine.
 DeepCacheState = UNetState
 TransformerCacheState = BlockState
+
+
+# --- every pipeline (torchfix run --deepcache) ---------------------------------------------------------------------
+
+_AUTO: list[DeepCacheConfig | None] = [None]
+# what auto() did, one row per pipeline it put the cache on: [class name, states while the pipeline lives, full, cached]
+_AUTO_APPLIED: list[list[Any]] = []
+
+
+def auto(config: DeepCacheConfig | None) -> DeepCacheConfig | None:
+    """Cache every diffusers pipeline this process runs, from its next denoising loop on, with ``config``
+    (``None``: stop applying it to new pipelines; those applied keep it). Returns the previous setting. A pipeline
+    whose denoiser already has the cache (``apply``, ``wrap(deepcache=...)``) keeps its own; one of no family torchfix
+    knows is refused at its loop start with :class:`~torchfix.UnsupportedModelError`, as ``apply`` would. What
+    ``torchfix run --deepcache`` uses for a script it does not change; needs torchfix enabled (the loop-start patch).
+
+    >>> import torchfix
+    >>> torchfix.deepcache.auto(None) is None
+    True
+    """
+    if config is not None and not isinstance(config, DeepCacheConfig):
+        raise InvalidArgumentTypeError(f"torchfix.deepcache.auto: config must be a DeepCacheConfig or None, got {type(config).__name__}.")
+    previous, _AUTO[0] = _AUTO[0], config
+    return previous
+
+
+def at_loop_start(pipe: Any) -> None:
+    """A pipeline opened its denoising loop (its scheduler's timesteps are set, no step has run): apply the
+    :func:`auto` cache to its denoisers where it has none, so the first step of this call is the generation's first."""
+    config = _AUTO[0]
+    if config is None:
+        return
+    found = [m for name in DENOISERS if isinstance(m := getattr(pipe, name, None), torch.nn.Module)]
+    if not found or all(uncompiled(m) in _STATES for m in found):
+        return
+    apply(pipe, config)
+    new_call(pipe)
+    row: list[Any] = [type(pipe).__name__, list(states_of(pipe).values()), 0, 0]
+    _AUTO_APPLIED.append(row)
+    weakref.finalize(pipe, _settle, row)  # the counts outlive the pipeline; the states do not
+
+
+def _settle(row: list[Any]) -> None:
+    row[2], row[3] = _counts(row[1])
+    row[1] = []
+
+
+def _counts(states: list[CacheState]) -> tuple[int, int]:
+    return sum(s.full_steps for s in states), sum(s.cached_steps for s in states)
+
+
+def auto_applied() -> list[tuple[str, int, int]]:
+    """What :func:`auto` did: ``(pipeline class, full steps, cached steps)`` for each pipeline it put the cache on,
+    alive or not, in the order they first ran."""
+    return [(name, *(_counts(states) if states else (full, cached))) for name, states, full, cached in _AUTO_APPLIED]

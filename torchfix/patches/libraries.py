@@ -220,6 +220,13 @@ def _fresh_loop(original: Any) -> Any:
                 bar.close()
                 raise ModelMismatchError(refused)
             reset_unfinished(self)
+        from ..deepcache.api import at_loop_start  # here: deepcache imports the patches
+
+        try:
+            at_loop_start(self)  # the cache torchfix run --deepcache asked for, on a pipeline that has none
+        except BaseException:
+            bar.close()
+            raise
         return bar
 
     return progress_bar

@@ -171,13 +171,14 @@ def _tiny_unet(seed: int, heads: int = 4, **config: Any) -> Any:
     return UNet2DConditionModel(**{**base, **config}).eval()
 
 
-def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM, heads: int = 4) -> Any:
+def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM, heads: int = 4, layers: int = 2) -> Any:
     """SD1.5 layout: cross-attention at the highest resolution, 3 downsamplers; ``heads``
     attention heads per block (1 keeps 720x960 cheap: the softmax at the top level is
-    ``heads`` x (90*120)**2 per attention)."""
+    ``heads`` x (90*120)**2 per attention); ``layers`` resnets per block (1: half the graph, for tests that compile)."""
     return _tiny_unet(
         seed,
         heads,
+        layers_per_block=layers,
         block_out_channels=(8, 16, 16, 16),
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
@@ -185,11 +186,13 @@ def tiny_sd15_unet(seed: int = 0, cross_attention_dim: int = TEXT_DIM, heads: in
     )
 
 
-def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM, time_ids: int = 6) -> Any:
+def tiny_sdxl_unet(seed: int = 0, cross_attention_dim: int = 2 * TEXT_DIM, time_ids: int = 6, layers: int = 2) -> Any:
     """SDXL layout: no attention at the highest resolution, ``text_time`` added conditioning with
-    ``time_ids`` time ids (6 for the base model; 5 for the refiner, which adds an aesthetic score)."""
+    ``time_ids`` time ids (6 for the base model; 5 for the refiner, which adds an aesthetic score); ``layers``
+    resnets per block (1 halves what ``torch.compile`` traces, for tests of compiling)."""
     return _tiny_unet(
         seed,
+        layers_per_block=layers,
         block_out_channels=(8, 16, 32),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
@@ -214,15 +217,16 @@ def _scheduler(name: str) -> Any:
     return cls(**kwargs)
 
 
-def tiny_sd15_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0, heads: int = 4) -> Any:
-    """A StableDiffusionPipeline with tiny components (no safety checker); ``heads`` as in :func:`tiny_sd15_unet`."""
+def tiny_sd15_pipeline(scheduler: str = "DDIMScheduler", seed: int = 0, heads: int = 4, layers: int = 2) -> Any:
+    """A StableDiffusionPipeline with tiny components (no safety checker); ``heads`` and ``layers`` as in
+    :func:`tiny_sd15_unet`."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline(
         vae=tiny_vae(seed),
         text_encoder=tiny_text_encoder(seed=seed),
         tokenizer=clip_tokenizer(),
-        unet=tiny_sd15_unet(seed, heads=heads),
+        unet=tiny_sd15_unet(seed, heads=heads, layers=layers),
         scheduler=_scheduler(scheduler),
         safety_checker=None,
         feature_extractor=None,

@@ -1,0 +1,58 @@
+"""The README is short and true (#40): it starts with the two commands, its support table says what the family
+registry says, the changelog lives in CHANGELOG.md and the research notes out of the user docs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torchfix.families as families
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _support_rows() -> list[list[str]]:
+    table = README.split("## What works where", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def test_it_starts_with_the_two_commands():
+    block = README.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert [line.split()[:2] for line in block[:2]] == [["make", "demo"], ["make", "test"]]
+    assert len(README) < 10_000, f"the README grew to {len(README)} characters: details belong in docs/"
+
+
+def test_the_support_table_says_what_the_registry_says():
+    builtin = families.names(builtin=True)
+    diffusers = [n for n in builtin if families.get(n).host == "diffusers"]
+    comfy = {n for n in builtin if families.get(n).host == "comfyui"}
+    named = []
+    for model, family, guards, widths, cache, comfy_cell in _support_rows():
+        name = re.fullmatch(r"`([a-z0-9-]+)`", family)
+        if name is None:
+            continue
+        entry = families.get(name.group(1))
+        named.append(entry.name)
+        assert entry.host == "diffusers" and guards == "yes" and cache == "yes", model
+        assert (widths == "yes") == bool(entry.widths), f"{model}: widths column says {widths!r}"
+        comfy_name = f"comfy-{entry.name}"
+        assert (comfy_cell == f"yes (`{comfy_name}`)") == (comfy_name in comfy), f"{model}: ComfyUI column says {comfy_cell!r}"
+    assert comfy <= {f"comfy-{n}" for n in named}  # every ComfyUI entry has its row
+    more = next(r for r in _support_rows() if "more diffusers families" in r[0])
+    assert int(more[0].split()[0]) == len(diffusers) - len(named)
+    assert f"lists all {len(builtin)}" in README
+
+
+def test_the_changelog_and_research_notes_live_outside_the_user_docs():
+    assert (ROOT / "CHANGELOG.md").is_file() and "Before that:" not in README
+    assert "CHANGELOG.md" in README
+    notes = ROOT / "docs" / "research" / "deepcache.md"
+    assert notes.is_file() and "## Forecast instead of reuse" in notes.read_text(encoding="utf-8")
+    assert "## Forecast instead of reuse" not in (ROOT / "docs" / "deepcache.md").read_text(encoding="utf-8")
+
+
+def test_every_link_in_the_readme_resolves():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        assert (ROOT / target).exists(), target
