@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/transformer_cache.py
 	$(BIN)/python benchmarks/kernels.py
 	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -116,6 +116,10 @@ SD1.5-like → SDXL-like → Flux-like, {args.rounds} rounds, then SD1.5-like ag
   from after the first model to the end: {", ".join(f"{v} {growth[v]:+.0f} MiB" for v in VARIANTS)}.
 - At the end, beside plain diffusers: {", ".join(f"{v} {extra[v]:+.0f} MiB" for v in VARIANTS[1:])}.
 
+Before #40 (commit b9c8cfb, "DeepCache never removed" run the same way on 2026-11-26): every one of the 10 dropped
+denoisers was still alive, and RSS climbed 530 → 545 → 556 → 574 MiB with each round of these tiny models (with real
+weights, gigabytes a switch); now they are freed and RSS stays where plain diffusers' does.
+
 A newcomer's 260 → 569 MiB over SD1.5 → SDXL → Flux → SD1.5 is the first step here (the imports and the first
 pipeline), which plain diffusers takes the same; switching models after it moves RSS by the allocator's noise in
 every variant.

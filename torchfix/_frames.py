@@ -15,7 +15,7 @@ from types import FrameType, TracebackType
 import torch
 
 from .config import env_traceback_filtering
-from .errors import TorchfixError
+from .errors import InvalidArgumentTypeError, TorchfixError
 
 __all__ = [
     "call_site",
@@ -268,7 +268,7 @@ def traceback_filtering(on: bool | None = None) -> bool:
     """
     if on is not None:
         if not isinstance(on, bool):
-            raise TypeError(f"torchfix.traceback_filtering(on=...) takes True, False or None, not {type(on).__name__}")
+            raise InvalidArgumentTypeError(f"torchfix.traceback_filtering(on=...) takes True, False or None, not {type(on).__name__}.")
         _FILTERING[0] = on
     return _FILTERING[0]
 

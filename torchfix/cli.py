@@ -342,7 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parse_run(parser, argv[1:])
     else:
         args = parser.parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except BrokenPipeError:  # `torchfix doctor | head`: the reader left; exit quietly, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def test_run_deepcache_caches_an_unmodified_scripts_pipeline(tmp_path):
 
     script = tmp_path / "gen.py"
     script.write_text(
-        "import sys, torch\nfrom torchfix import testing\n"
+        f"import sys, torch\nfrom torchfix import testing\ntorch.set_num_threads({torch.get_num_threads()})\n"
         "pipe = testing.tiny_sd15_pipeline()\ntorch.save(testing.latents(pipe, steps=8), sys.argv[1])\n"
     )
     r = torchfix("run", "--deepcache", str(script), str(tmp_path / "out.pt"))
@@ -219,3 +219,14 @@ def test_run_deepcache_caches_an_unmodified_scripts_pipeline(tmp_path):
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
     bad = torchfix("run", "--deepcache-interval", "0", str(script))
     assert bad.returncode == 2 and "--deepcache-interval" in bad.stderr
+
+
+def test_doctor_piped_into_head_exits_quietly():
+    """`torchfix doctor | head -2`: the reader leaves early; no BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"} | {"PYTHONUNBUFFERED": "1"}  # a line a write
+    proc = subprocess.Popen([sys.executable, "-m", "torchfix", "doctor"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().startswith(b"torchfix ")
+    proc.stdout.close()  # before doctor has written the rest: its next write meets a closed pipe
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -22,6 +22,7 @@ from .. import families
 from .._frames import uncompiled
 from ..errors import InvalidArgumentError, InvalidArgumentTypeError, UnsupportedModelError
 from ..families import DENOISERS
+from ..patches import libraries
 from . import comfy_unet, engine, streams
 from ._graphs import forget_compiled
 from .blocks import BlockState, TransformerLayout, apply_transformer, check_transformer
@@ -349,6 +350,9 @@ def _settle(row: list[Any]) -> None:
 
 def _counts(states: list[CacheState]) -> tuple[int, int]:
     return sum(s.full_steps for s in states), sum(s.cached_steps for s in states)
+
+
+libraries.LOOP_STARTS.append(at_loop_start)  # the pipelines' loop-start patch calls it (it imports no deepcache)
 
 
 def auto_applied() -> list[tuple[str, int, int]]:

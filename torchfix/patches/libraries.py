@@ -205,6 +205,11 @@ def _marking_clean(original: Any) -> Any:
     return _reset_stateful_cache
 
 
+# Called with the pipeline when a pipeline opens its denoising loop, after the preflight: filled by the parts that
+# act there (torchfix.deepcache registers its auto cache), so that this module imports none of them.
+LOOP_STARTS: list[Any] = []
+
+
 def _fresh_loop(original: Any) -> Any:
     """``DiffusionPipeline.progress_bar``, which every pipeline opens around its denoising loop (its encoders have run,
     no step has): the conditioning preflight (:func:`torchfix.preflight.refusal`, once per set of components) refuses
@@ -220,10 +225,9 @@ def _fresh_loop(original: Any) -> Any:
                 bar.close()
                 raise ModelMismatchError(refused)
             reset_unfinished(self)
-        from ..deepcache.api import at_loop_start  # here: deepcache imports the patches
-
         try:
-            at_loop_start(self)  # the cache torchfix run --deepcache asked for, on a pipeline that has none
+            for hook in LOOP_STARTS:  # deepcache.auto's: the cache torchfix run --deepcache asked for
+                hook(self)
         except BaseException:
             bar.close()
             raise
