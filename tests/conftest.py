@@ -39,6 +39,17 @@ def _no_leaks():
     assert state_ok, "torchfix state left on after the test"
 
 
+@pytest.fixture
+def fix_mode():
+    """torchfix switched on process-wide in fix mode for the test, off after it."""
+    torchfix.disable()
+    torchfix.enable("fix")
+    try:
+        yield
+    finally:
+        torchfix.disable()
+
+
 # `make test-quick` (-m "not slow") leaves out what takes seconds a test: compiling (torch.compile), subprocesses
 # (the CLI, the examples, the pytest plugin, fresh interpreters), ComfyUI's sampler, several processes; the rest,
 # every guard, the cache's logic and wrap, runs. `make test` runs everything.

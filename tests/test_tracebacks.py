@@ -33,13 +33,10 @@ def _frames_below(exc: BaseException) -> list[tuple[str, int | None, str]]:
 
 
 @pytest.fixture
-def guards():
-    torchfix.disable()
-    torchfix.enable("fix")
+def guards(fix_mode):
     try:
         yield
     finally:
-        torchfix.disable()
         torchfix.traceback_filtering(True)
 
 

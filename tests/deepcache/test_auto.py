@@ -15,14 +15,11 @@ CFG = torchfix.DeepCacheConfig(interval=3)
 
 
 @pytest.fixture
-def guards():
-    torchfix.disable()
-    torchfix.enable("fix")
+def guards(fix_mode):
     try:
         yield
     finally:
         torchfix.deepcache.auto(None)
-        torchfix.disable()
 
 
 def _pipe():
