@@ -134,3 +134,40 @@ def test_hide_keeps_what_is_not_torchfixs():
         before = _files(exc)
         _frames.hide(exc)
         assert _files(exc) == before  # nothing of torchfix's in it: the same traceback object
+
+
+@pytest.mark.parametrize("kind", ["unet", "transformer"])
+def test_an_error_inside_a_cached_model_shows_no_cache_frames(kind):
+    """The cache's forward on the model is a boundary too: a shape error in the model's own layers reads as it would
+    without the cache (the frames below the caller are the model's and torch's)."""
+    pytest.importorskip("diffusers")
+    from torchfix import testing
+
+    if kind == "unet":
+        model = testing.tiny_sd15_unet()
+        args = (torch.randn(1, 4, 8, 8), 10, torch.randn(1, 77, 24))  # text width 24, the UNet's is 32
+
+        def call():
+            return model(*args)
+    else:
+        from torchfix.testing.families import FAMILIES
+
+        tiny = FAMILIES["flux"]
+        model = tiny.build()
+        inputs = {**tiny.arguments(), "timestep": torch.tensor([0.5])}
+        inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"][..., :-1]  # one channel short
+
+        def call():
+            return model(**inputs)
+
+    with pytest.raises(RuntimeError) as plain:
+        call()
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=3))
+    try:
+        with pytest.raises(RuntimeError) as cached:
+            call()
+    finally:
+        torchfix.deepcache.remove(model)
+    assert str(cached.value) == str(plain.value)
+    assert _ours(cached.value) == []
+    assert _frames_below(cached.value)[-3:] == _frames_below(plain.value)[-3:]

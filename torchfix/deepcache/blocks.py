@@ -46,7 +46,7 @@ from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
 from . import engine, parallel, streams
-from ._graphs import outside_graphs
+from ._graphs import hiding_frames, outside_graphs
 from .config import DeepCacheConfig, corrects, for_family, warms_up
 from .forecast import forecast, interpolate, per_sample
 
@@ -764,7 +764,7 @@ def _model_forward(state: BlockState) -> Any:
             return output if change is None else _revised(output, change)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
-        return forward
+        return hiding_frames(forward)
 
     return make
 

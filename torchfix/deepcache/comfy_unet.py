@@ -26,6 +26,7 @@ from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Family
 from ..patches import instance
 from . import engine
+from ._graphs import hiding_frames
 from .config import DeepCacheConfig
 from .unet import UNetState, _capture_hook, _decide, _done_full
 
@@ -216,7 +217,7 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
         return shallow(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)
 
     _forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
-    return _forward
+    return hiding_frames(_forward)
 
 
 def apply(unet: torch.nn.Module, family: Family, config: DeepCacheConfig, layout: ComfyLayout) -> UNetState:

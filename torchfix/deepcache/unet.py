@@ -20,7 +20,7 @@ import torch
 from ..families import Family
 from ..patches import instance
 from . import engine
-from ._graphs import outside_graphs
+from ._graphs import hiding_frames, outside_graphs
 from .config import DeepCacheConfig
 from .layout import Layout
 from .shallow import shallow_forward
@@ -128,7 +128,7 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
             return shallow_forward(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
-        return forward
+        return hiding_frames(forward)
 
     return make
 

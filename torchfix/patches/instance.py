@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._frames import hide
 from ..errors import TorchfixError
 from .core import leave_theirs
 
@@ -216,7 +217,11 @@ def _register(
                 self.contexts = _context_listener(on_context)
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            return self.forward(*args, **kwargs)
+            try:
+                return self.forward(*args, **kwargs)
+            except Exception as exc:  # the model's own error: its traceback without torchfix's frames
+                hide(exc)
+                raise
 
         def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
             if reset is not None:
