@@ -19,6 +19,7 @@ from .errors import InvalidArgumentTypeError, TorchfixError
 
 __all__ = [
     "call_site",
+    "drop_frames",
     "hide",
     "in_library",
     "module_chain",
@@ -278,13 +279,17 @@ def hide(exc: BaseException, also: tuple[str, ...] = ()) -> None:
     ``raise exc``, adds no frame): the user's traceback then ends where plain torch's would. Called only on
     the way out of a wrapper with an error that is not torchfix's; JAX filters its frames the same way.
     ``also``: more file-name prefixes whose frames go too (``torchfix run``'s runpy)."""
-    if not _FILTERING[0] or isinstance(exc, TorchfixError):
-        return
+    if _FILTERING[0] and not isinstance(exc, TorchfixError):
+        drop_frames(exc, (_TORCHFIX_DIR, *also))
+
+
+def drop_frames(exc: BaseException, prefixes: tuple[str, ...]) -> None:
+    """Rebuild ``exc``'s traceback without the frames of files whose names start with one of ``prefixes``."""
     tb = exc.__traceback__
     kept: list[TracebackType] = []
     dropped = False
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.startswith((_TORCHFIX_DIR, *also)):
+        if tb.tb_frame.f_code.co_filename.startswith(prefixes):
             dropped = True
         else:
             kept.append(tb)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from torchfix_diffusion import clash
 
-from .errors import InvalidArgumentError, TorchfixError
+from .errors import InvalidArgumentError
 
 __all__ = ["build_parser", "main"]
 
@@ -97,17 +97,12 @@ _RUNPY = (runpy.__file__, "<frozen runpy>")
 
 
 def _print_script_error(exc: BaseException) -> None:
-    """The script's error as ``python SCRIPT`` prints it: without this command's and runpy's frames (and torchfix's,
-    unless traceback filtering is off: ``TORCHFIX_TRACEBACK_FILTERING=off``)."""
-    from ._frames import hide, traceback_filtering
+    """The script's error as ``python SCRIPT`` prints it: without this command's and runpy's frames (nor torchfix's,
+    unless it is torchfix's own error or traceback filtering is off: ``TORCHFIX_TRACEBACK_FILTERING=off``)."""
+    from ._frames import drop_frames, hide
 
-    if traceback_filtering() and not isinstance(exc, TorchfixError):
-        hide(exc, also=_RUNPY)
-    elif exc.__traceback__ is not None:  # torchfix's own error, or filtering off: only the command's frames go
-        tb = exc.__traceback__
-        while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or tb.tb_frame.f_code.co_filename.startswith(_RUNPY)):
-            tb = tb.tb_next
-        exc.__traceback__ = tb
+    hide(exc)
+    drop_frames(exc, (__file__, *_RUNPY))
     traceback.print_exception(exc)
 
 

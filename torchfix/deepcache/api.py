@@ -333,8 +333,11 @@ def at_loop_start(pipe: Any) -> None:
     config = _AUTO[0]
     if config is None:
         return
-    found = [m for name in DENOISERS if isinstance(m := getattr(pipe, name, None), torch.nn.Module)]
-    if not found or all(uncompiled(m) in _STATES for m in found):
+    try:
+        found, _ = denoisers(pipe)
+    except InvalidArgumentTypeError:  # a pipeline without a denoiser: nothing to cache
+        return
+    if all(model in _STATES for _, model in found):
         return
     apply(pipe, config)
     new_call(pipe)
