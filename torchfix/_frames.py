@@ -6,11 +6,13 @@ fast path, by walking the Python stack.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
 import weakref
 from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ __all__ = [
     "call_site",
     "drop_frames",
     "hide",
+    "hiding_frames",
     "in_library",
     "module_chain",
     "module_path",
@@ -281,6 +284,22 @@ def hide(exc: BaseException, also: tuple[str, ...] = ()) -> None:
     ``also``: more file-name prefixes whose frames go too (``torchfix run``'s runpy)."""
     if _FILTERING[0] and not isinstance(exc, TorchfixError):
         drop_frames(exc, (_TORCHFIX_DIR, *also))
+
+
+def hiding_frames(fn: Any) -> Any:
+    """``fn`` (a model forward the cache installs) as a traceback boundary: an error that is not torchfix's, raised in
+    the model's own code below it, leaves with torchfix's frames dropped (:func:`hide`), so it reads
+    as it would without the cache. ``fn``'s attributes (the cache's marker) and ``__wrapped__`` carry over."""
+
+    @functools.wraps(fn)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
+
+    return forward
 
 
 def drop_frames(exc: BaseException, prefixes: tuple[str, ...]) -> None:

@@ -69,7 +69,7 @@ def headline(outcomes: list[Outcome]) -> str:
     counts = {s: [o.incident.split(":")[0] for o in outcomes if o.status == s] for s in STATUSES}
     parts = []
     for s in STATUSES:
-        names = f" ({', '.join(counts[s])})" if counts[s] and s != "FIXED" and s != "REFUSED CLEARLY" else ""
+        names = f" ({', '.join(counts[s])})" if counts[s] and s not in ("FIXED", "REFUSED CLEARLY") else ""
         parts.append(f"{len(counts[s])} {s.lower()}{names}")
     return f"{len(outcomes)} incidents: " + ", ".join(parts)
 

@@ -8,9 +8,7 @@ from typing import Any
 
 import torch
 
-from .._frames import hide
-
-__all__ = ["forget_compiled", "hiding_frames", "outside_graphs"]
+__all__ = ["forget_compiled", "outside_graphs"]
 
 
 def outside_graphs(fn: Any) -> Any:
@@ -29,22 +27,6 @@ def outside_graphs(fn: Any) -> Any:
         return disabled[0](*args, **kwargs)
 
     return wrapper
-
-
-def hiding_frames(fn: Any) -> Any:
-    """``fn`` (a model forward the cache installs) as a traceback boundary: an error that is not torchfix's, raised in
-    the model's own code below it, leaves with torchfix's frames dropped (:func:`torchfix._frames.hide`), so it reads
-    as it would without the cache. ``fn``'s attributes (the cache's marker) and ``__wrapped__`` carry over."""
-
-    @functools.wraps(fn)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            hide(exc)
-            raise
-
-    return forward
 
 
 def forget_compiled(what: str) -> bool:

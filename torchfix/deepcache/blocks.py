@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from .. import _warn, families
-from .._frames import under_dynamo
+from .._frames import hiding_frames, under_dynamo
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
 from . import engine, parallel, streams
-from ._graphs import hiding_frames, outside_graphs
+from ._graphs import outside_graphs
 from .config import DeepCacheConfig, corrects, for_family, warms_up
 from .forecast import forecast, interpolate, per_sample
 

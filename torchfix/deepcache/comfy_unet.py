@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from .._frames import hiding_frames
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Family
 from ..patches import instance
 from . import engine
-from ._graphs import hiding_frames
 from .config import DeepCacheConfig
 from .unet import UNetState, _capture_hook, _decide, _done_full
 

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from .._frames import hiding_frames
 from ..families import Family
 from ..patches import instance
 from . import engine
-from ._graphs import hiding_frames, outside_graphs
+from ._graphs import outside_graphs
 from .config import DeepCacheConfig
 from .layout import Layout
 from .shallow import shallow_forward
