@@ -68,6 +68,33 @@ def test_a_torch_error_ends_on_the_users_line(guards, name):
     assert _frames_below(info.value) == _frames_below(plain_info.value)
 
 
+def _every_tensor(tensors):
+    return tuple(n for n, t in tensors.items() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("matches", [False, True], ids=["row-does-not-match", "row-matches"])
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_a_torch_error_ends_on_the_users_line_where_a_known_issue_row_is_in_force(guards, name, matches):
+    """On CUDA the sdpa row of pytorch/pytorch#191937 is in force (torch < 2.15): a row for the CPU puts this machine on
+    that path, where the call is screened by the row's predicate and, if it matches, fixed on the checked path."""
+    from torchfix.guards import known_issues as ki
+    from torchfix.guards.ops import SPECS
+
+    with pytest.raises(Exception) as plain_info:
+        CALLS[name]()
+    predicate = _every_tensor if matches else ki.any_noncontiguous
+    row = torchfix.add_known_issue(torchfix.KnownIssue("cpu", (SPECS[name].family,), predicate, "test#frames", "contiguous"))
+    try:
+        torchfix.enable("fix")
+        with pytest.raises(type(plain_info.value)) as info:
+            CALLS[name]()
+    finally:
+        torchfix.remove_known_issue(row)
+    assert str(info.value) == str(plain_info.value)
+    assert _ours(info.value) == [], name
+    assert _frames_below(info.value) == _frames_below(plain_info.value)
+
+
 def test_every_frame_when_filtering_is_off(guards):
     assert torchfix.traceback_filtering(False) is False
     with pytest.raises(RuntimeError) as info:

@@ -260,3 +260,65 @@ def test_an_error_of_the_callers_own_runs_the_call_once_on_every_path(op):
         with torchfix.enabled("fix"), pytest.raises(TypeError, match="own mistake"):
             wrapper(*args)
         assert len(calls) == 1, op
+
+
+# --- a known-issue row in force costs what its predicate costs -------------------------------------------------------
+# On CUDA, pytorch/pytorch#191937's row is in force for sdpa on every torch < 2.15; the same predicate registered for
+# the CPU puts this machine on that path.
+
+
+@pytest.fixture
+def sdpa_row_on_cpu():
+    from torchfix.guards import known_issues as ki
+
+    row = torchfix.add_known_issue(torchfix.KnownIssue("cpu", ("sdpa",), ki.broadcast_kv_len_1_mod_32, "test#191937", "contiguous"))
+    try:
+        yield row
+    finally:
+        torchfix.remove_known_issue(row)
+
+
+def test_a_row_in_force_sends_only_the_calls_its_predicate_matches_to_the_checked_path(monkeypatch, sdpa_row_on_cpu):
+    orig = F.scaled_dot_product_attention
+    assert not hasattr(orig, "__torchfix_spec__")
+    checked = []
+    real = torch_ops.runtime.guarded_call
+
+    def spy(spec, *rest):
+        checked.append(spec.name)
+        return real(spec, *rest)
+
+    monkeypatch.setattr(torch_ops.runtime, "guarded_call", spy)
+    sdpa = torch_ops._maker(SPECS["F.scaled_dot_product_attention"])(orig)
+    key33, value33 = _r(1, 1, 33, 8).expand(1, 2, 33, 8), (_r(1, 1, 33, 8) + 1).expand(1, 2, 33, 8)
+    mask = _r(4, 33)
+    untouched = [  # the row's predicate does not match: torch runs them as they are
+        ((q, k, v), {}),
+        ((q, k, v), {"attn_mask": _r(4, 6)}),
+        ((q.float(), key33, value33), {}),  # broadcast, length 33, but no mask
+        ((q.float(), key33.contiguous(), value33.contiguous()), {"attn_mask": mask}),  # a mask, length 33, no broadcast
+        ((), {"query": q, "key": k, "value": v, "attn_mask": _r(4, 6)}),
+    ]
+    with torchfix.enabled("fix"):
+        for args, kwargs in untouched:
+            assert torch.equal(sdpa(*args, **kwargs), orig(*args, **kwargs))
+        assert checked == [] and torchfix.report().events == []
+        fixed = sdpa(q.float(), key33, value33, mask)  # the row's case: broadcast k/v, key length 1 mod 32, a mask
+    assert checked == ["F.scaled_dot_product_attention"]
+    assert torch.equal(fixed, orig(q.float(), key33.contiguous(), value33.contiguous(), mask))
+    assert [(e.guard, e.action) for e in torchfix.report().events] == [("stride", "contiguous")]  # one event for the call
+    with torchfix.enabled("off"):  # torchfix off here: the row changes nothing
+        torchfix.report().clear()
+        assert torch.equal(sdpa(q.float(), key33, value33, mask), orig(q.float(), key33, value33, mask))
+    assert torchfix.report().events == []
+
+
+def test_a_row_in_force_for_another_device_type_costs_nothing_here(monkeypatch):
+    from torchfix.guards import known_issues as ki
+
+    row = torchfix.add_known_issue(torchfix.KnownIssue("cpu", ("mm",), ki.any_noncontiguous, "test#other", "contiguous"))
+    try:
+        assert "cpu" in ki.holder("mm")[0] and not ki.holder("conv")[0]
+    finally:
+        torchfix.remove_known_issue(row)
+    assert "cpu" not in ki.holder("mm")[0]

@@ -19,6 +19,7 @@ from, and says so where a bound is an estimate.
 
 from __future__ import annotations
 
+import functools
 import platform
 import threading
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ WORKAROUNDS = ("contiguous", "upcast", "cpu", "kernel")
 Predicate = Callable[[Mapping[str, torch.Tensor]], tuple[str, ...]]
 
 
+@functools.lru_cache(maxsize=256)
 def parse_version(text: str | None, what: str = "version") -> Version | None:
     """``"2.13.0+cpu"`` → ``Version('2.13.0+cpu')``; ``None`` or ``""`` → ``None``.
 
@@ -166,8 +168,10 @@ def stride_zero_operand(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
 def broadcast_kv_len_1_mod_32(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
     """Key or value broadcast with a stride 0 (GQA/KV sharing), a key length ≡ 1 (mod 32),
     and an ``attn_mask``."""
+    if tensors.get("attn_mask") is None:  # first: most attention calls (diffusers' UNets and DiTs) pass no mask
+        return ()
     k = _t(tensors, "key")
-    if k is None or k.dim() < 2 or k.shape[-2] % 32 != 1 or _t(tensors, "attn_mask") is None:
+    if k is None or k.dim() < 2 or k.shape[-2] % 32 != 1:
         return ()
     return tuple(n for n in ("key", "value") if (t := _t(tensors, n)) is not None and _broadcast(t))
 
@@ -470,13 +474,15 @@ TORCH_VERSION = torch.__version__
 OS_VERSION = platform.mac_ver()[0] or None
 
 # Per op family, the device types that have a row in force for this torch and OS and a
-# backend this process can use (computed when the first wrapper asks for its family's
-# holder: nothing is read at import), each in a one-element list the wrappers hold directly (a
-# closure index is cheaper than a module attribute on the per-call path). A process with
-# no row in force for a family (Linux with CPU/CUDA today, bar sdpa on CUDA) pays nothing.
-_HOLDERS: dict[str, list[frozenset[str]]] = {}
+# backend this process can use, each with the predicates of those rows (computed when the first
+# wrapper asks for its family's holder: nothing is read at import), in a one-element list the
+# wrappers hold directly (a closure index is cheaper than a module attribute on the per-call path).
+# A process with no row in force for a family (Linux with CPU/CUDA today, bar sdpa on CUDA) pays
+# nothing; one with a row in force pays what the row's predicate costs on the calls of that device.
+_HOLDERS: dict[str, list[dict[str, tuple[Predicate, ...]]]] = {}
 # (family, device type) -> the rows in force here, decided eagerly so that a traced call only runs predicates.
 _IN_FORCE: dict[tuple[str, str], tuple[KnownIssue, ...]] = {}
+_read = False  # whether the table was read for this process (by the first holder asked for)
 
 
 def in_force_here(entry: KnownIssue) -> tuple[bool, str]:
@@ -529,29 +535,38 @@ def in_force(family: str, device_type: str) -> tuple[KnownIssue, ...]:
 
 
 def _refresh() -> None:
-    by_family: dict[str, set[str]] = {}
+    global _read
+    _read = True
     in_force_rows: dict[tuple[str, str], list[KnownIssue]] = {}
     for e in _entries:
         if in_force_here(e)[0]:
             for family in e.ops:
-                by_family.setdefault(family, set()).add(e.device_type)
                 in_force_rows.setdefault((family, e.device_type), []).append(e)
     _IN_FORCE.clear()
     _IN_FORCE.update({k: tuple(v) for k, v in in_force_rows.items()})
+    by_family: dict[str, dict[str, tuple[Predicate, ...]]] = {}
+    for (family, device_type), rows in _IN_FORCE.items():
+        by_family.setdefault(family, {})[device_type] = tuple(e.predicate for e in rows)
     for family, cell in _HOLDERS.items():
-        cell[0] = frozenset(by_family.get(family, ()))
-    for family, types in by_family.items():
-        _HOLDERS.setdefault(family, [frozenset(types)])
+        cell[0] = by_family.get(family, {})
+    for family, predicates in by_family.items():
+        _HOLDERS.setdefault(family, [predicates])
 
 
-def holder(family: str) -> list[frozenset[str]]:
-    """The one-element list holding the device types with a row in force for ``family``
-    (kept current by :func:`add` and :func:`remove`)."""
+def holder(family: str) -> list[dict[str, tuple[Predicate, ...]]]:
+    """The one-element list holding, for ``family``, each device type with a row in force and
+    the predicates of its rows (kept current by :func:`add` and :func:`remove`; empty, and so
+    false, where no row is in force).
+
+    >>> "cpu" in holder("mm")[0]
+    False
+    """
     with _lock:
+        if not _read:
+            _refresh()  # once: every family with a row in force gets its cell
         cell = _HOLDERS.get(family)
         if cell is None:
-            cell = _HOLDERS[family] = [frozenset()]
-            _refresh()
+            cell = _HOLDERS[family] = [{}]
         return cell
 
 

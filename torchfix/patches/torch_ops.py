@@ -6,8 +6,11 @@ original untouched: what came by position goes on by position, what came by keyw
 goes on by keyword, what was left out stays out (a tensor subclass's
 ``__torch_function__`` sees the same ``args`` and ``kwargs`` as without torchfix).
 Each wrapper first asks, in three closure reads, whether dynamo or torch.export is
-tracing and whether a known-issue row is in force for the op's family; if so, or if
-the call needs a closer look, it takes the general path.
+tracing and whether a known-issue row is in force for the op's family; while tracing, or
+if the call needs a closer look, it takes the general path. Where a row is in force (the
+CUDA sdpa row of pytorch/pytorch#191937 on torch < 2.15, the MPS rows), the call pays what
+that row's predicate costs (a few attribute reads on its operands, by the call's device
+type: ``screen``), and only a call the predicate matches takes the general path.
 
 Eager calls take the *optimistic* path, which reads no settings at all:
 
@@ -31,9 +34,9 @@ Eager calls take the *optimistic* path, which reads no settings at all:
 Every other call takes the *general* path (:func:`_general`), which reads the
 settings in force: while dynamo or torch.export trace (the checks then run
 first and cost nothing in the compiled graph: fake tensors accept dtype mixes
-that real kernels reject, so "run it and see" would not see), where known-issue
-rows are in force for the op's family (they match calls that torch runs
-without an error), and for a call whose operands the fast reads cannot place
+that real kernels reject, so "run it and see" would not see), where a known-issue
+row in force matches the call (such rows match calls that torch runs without an
+error), and for a call whose operands the fast reads cannot place
 (a tensor passed by keyword where a position is read, a non-tensor, too few
 arguments; the general path binds by name). ``cat`` always reads its dtypes first: a
 promotion torch accepts is still reported, or cast where ``dtype=`` asks for
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -69,6 +72,10 @@ Picker = Callable[[tuple, dict], tuple]
 # Anything that is not a tensor where one is expected, a missing argument, or
 # too few of them: the slow path binds the call properly and lets torch report.
 _ODD = (AttributeError, TypeError, ValueError, IndexError, KeyError)
+_NO_ROWS: dict[str, Any] = {}
+_SCREEN_ODD = (StopIteration, *_ODD)
+# A device type's flag on a tensor: a C getter (~0.09 µs), where ``t.device.type`` builds a device (~0.5 µs).
+_ON_DEVICE = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "xpu": "is_xpu", "meta": "is_meta"}
 # Re-running a call after these would only repeat them.
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -81,12 +88,12 @@ def _meta_operands(spec: OpSpec) -> tuple[str, ...]:
     if spec.kind == "matmul":
         # addmm raises for a meta input or mat1 and computes with a meta mat2; baddbmm computes with any
         return spec.params[2:] if spec.family == "mm" and len(spec.params) == 3 else spec.params
-    return {"linear": ("input", "weight"), "conv": spec.params, "attention": ("attn_mask",)}.get(spec.kind, ())
+    return {"linear": ("input", "weight"), "conv": spec.params, "attention": ("attn_mask",), "index": spec.tensors}.get(spec.kind, ())
 
 
-def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
-    """One dtype (bool masks aside) and one device among ``tensors`` (``None`` skipped),
-    and no known-issue row in force for that device type."""
+def _uniform(tensors: tuple, rows: Mapping[str, Any], dtypes: bool = True) -> bool:
+    """One dtype (bool masks aside; not asked with ``dtypes=False``: an index beside its data) and one
+    device among ``tensors`` (``None`` skipped), and no known-issue row in force for that device type."""
     dt = dev = None
     for t in tensors:
         if t is None:
@@ -95,7 +102,7 @@ def _uniform(tensors: tuple, rows: frozenset[str]) -> bool:
             dt, dev = t.dtype, t.device
             if rows and dev.type in rows:
                 return False
-        elif t.device != dev or (t.dtype is not dt and t.dtype is not torch.bool):
+        elif t.device != dev or (dtypes and t.dtype is not dt and t.dtype is not torch.bool):
             return False
     return True
 
@@ -147,19 +154,64 @@ def _outer_twin(spec: OpSpec) -> Any:
     return getattr(fn, "__wrapped__", fn).__code__
 
 
-def _general(spec: OpSpec, orig: Wrapper) -> tuple[Callable[[tuple, dict], Any], Callable[[BaseException, tuple, dict], Any]]:
-    """The general path for one op, and the fast path's "torch raised: whose error is it?"."""
+def _general(
+    spec: OpSpec, orig: Wrapper
+) -> tuple[Callable[[tuple, dict], Any], Callable[[BaseException, tuple, dict], Any], Callable[[tuple, dict], bool]]:
+    """The general path for one op, the fast path's "torch raised: whose error is it?", and its
+    "does a known-issue row in force match this call?"."""
     slow, rows, pick = runtime.guarded_call, ki.holder(spec.family), _picker(spec)
     dynamo, compiler = _DYNAMO, _COMPILER
     meta = tuple((spec.params.index(name), name) for name in _meta_operands(spec))
-    sequence = spec.sequence
+    sequence, names = spec.sequence, spec.tensors
     twin = _outer_twin(spec)
+    dtypes = spec.kind != "index"  # an integer index beside float data is no dtype mix
 
     def uniform(args: tuple, kwargs: dict) -> bool:
         try:
-            return _uniform(pick(args, kwargs), rows[0])
+            return _uniform(pick(args, kwargs), rows[0], dtypes)
         except _ODD:
             return False
+
+    def agree(args: tuple, kwargs: dict) -> bool:
+        """One dtype and one device: torch's own error, not torchfix's (rows in force aside: they were screened)."""
+        try:
+            return _uniform(pick(args, kwargs), _NO_ROWS, dtypes)
+        except _ODD:
+            return False
+
+    def screen(args: tuple, kwargs: dict) -> bool:
+        """Whether a known-issue row in force for the call's device type matches it (or its operands cannot be
+        placed): only then does the call take the general path. Costs the rows' predicates and a few reads
+        (the first operand's ``is_cuda``-style flag, not its ``device``, which builds an object), nothing more."""
+        try:
+            tensors = pick(args, kwargs)
+            first = tensors[0]
+            if first is None:  # an optional first operand left out (addmm's input by keyword)
+                first = next(t for t in tensors if t is not None)
+            for device_type, found in rows[0].items():
+                flag = _ON_DEVICE.get(device_type)
+                if getattr(first, flag) if flag is not None else first.device.type == device_type:
+                    predicates = found
+                    break
+            else:
+                return False
+        except _SCREEN_ODD:
+            return True
+        # the predicates read the operands given, by name, as on the checked path
+        if sequence:
+            named = {f"tensors[{i}]": t for i, t in enumerate(tensors)}
+        else:
+            named = {}
+            for name, t in zip(names, tensors):
+                if t is not None:
+                    named[name] = t
+        out = kwargs.get("out") if kwargs else None
+        if out is not None:
+            named["out"] = out
+        for predicate in predicates:
+            if predicate(named):
+                return True
+        return False
 
     def checked(settings: Any, args: tuple, kwargs: dict) -> Any:
         """Ask first: one dtype and one device, and no row in force, call straight through."""
@@ -193,7 +245,7 @@ def _general(spec: OpSpec, orig: Wrapper) -> tuple[Callable[[tuple, dict], Any],
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
-            if isinstance(exc, _OUT_OF_MEMORY) or uniform(args, kwargs):
+            if isinstance(exc, _OUT_OF_MEMORY) or agree(args, kwargs):
                 raise
         return slow(spec, orig, settings, args, kwargs)
 
@@ -205,17 +257,17 @@ def _general(spec: OpSpec, orig: Wrapper) -> tuple[Callable[[tuple, dict], Any],
         if twin is not None and sys._getframe(2).f_code is twin:
             return None  # called by F.layer_norm / F.group_norm, whose own guard fixes the call
         settings = _context.current()
-        if not settings.active or uniform(args, kwargs):
+        if not settings.active or agree(args, kwargs):
             return None
         return settings
 
-    return general, failed
+    return general, failed, screen
 
 
 def _prologue(spec: OpSpec, orig: Wrapper) -> tuple[Any, ...]:
     """What every fast wrapper holds in its closure (closure cells are the cheapest reads)."""
-    general, failed = _general(spec, orig)
-    return _DYNAMO, _COMPILER, ki.holder(spec.family), general, failed, runtime.guarded_call
+    general, failed, screen = _general(spec, orig)
+    return _DYNAMO, _COMPILER, ki.holder(spec.family), general, failed, screen, runtime.guarded_call
 
 
 # The fast wrappers, one per argument shape. Each reads the meta-capable operands where the
@@ -228,16 +280,16 @@ def _prologue(spec: OpSpec, orig: Wrapper) -> tuple[Any, ...]:
 
 def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """matmul / mm / bmm and their Tensor methods: two tensors (``out=`` passes through)."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
             look = args[0].is_meta or args[1].is_meta
         except _ODD:
             look = True
-        if look:
+        if look or (rows[0] and screen(args, kwargs)):
             try:
                 return general(args, kwargs)
             except Exception as exc:
@@ -261,17 +313,17 @@ def _matmul(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """addmm / baddbmm and their Tensor methods: three tensors (``beta=``, ``alpha=``, ``out=`` pass through)."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
     batched = spec.family == "bmm"  # addmm raises for a meta input or mat1; baddbmm computes
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
             look = args[2].is_meta or (batched and (args[0].is_meta or args[1].is_meta))
         except _ODD:
             look = True
-        if look:
+        if look or (rows[0] and screen(args, kwargs)):
             try:
                 return general(args, kwargs)
             except Exception as exc:
@@ -296,16 +348,16 @@ def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
 def _linear(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """linear(input, weight, bias=None): a meta input or weight computes (a meta result, or a CPU
     result with no data behind it); a meta bias raises."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
             look = args[0].is_meta or args[1].is_meta
         except _ODD:
             look = True
-        if look:
+        if look or (rows[0] and screen(args, kwargs)):
             try:
                 return general(args, kwargs)
             except Exception as exc:
@@ -329,17 +381,17 @@ def _linear(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _conv(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """conv1d/2d/3d(input, weight, bias=None, stride, padding, dilation, groups): all three compute."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
             bias = args[2] if len(args) > 2 else kwargs.get("bias") if kwargs else None
             look = args[0].is_meta or args[1].is_meta or (bias is not None and bias.is_meta)
         except _ODD:
             look = True
-        if look:
+        if look or (rows[0] and screen(args, kwargs)):
             try:
                 return general(args, kwargs)
             except Exception as exc:
@@ -363,17 +415,53 @@ def _conv(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """scaled_dot_product_attention(q, k, v, attn_mask=None, ...): q, k, v on meta raise; a meta mask computes."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask") if kwargs else None
             look = mask is not None and mask.is_meta
         except _ODD:
             look = True
-        if look:
+        if look or (rows[0] and screen(args, kwargs)):
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
+        try:
+            return orig(*args, **kwargs)
+        except Exception as exc:
+            settings = failed(exc, args, kwargs)
+            if settings is None:
+                hide(exc)
+                raise
+        try:
+            return slow(spec, orig, settings, args, kwargs)
+        except Exception as exc:
+            hide(exc)
+            raise
+
+    return wrapper
+
+
+def _index(spec: OpSpec, orig: Wrapper) -> Wrapper:
+    """embedding(input, weight, ...) / index_select and gather(input, dim, index): an integer index and the data it
+    reads. Either on the meta device computes in torch (a meta result, or a CPU result with no data behind it), and
+    torch checks devices only on an accelerator's kernels: both are read."""
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
+    data, index = spec.tensor_positions
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if dynamo() or compiler._is_compiling_flag:
+            return general(args, kwargs)
+        try:
+            look = args[data].is_meta or args[index].is_meta
+        except _ODD:
+            look = True
+        if look or (rows[0] and screen(args, kwargs)):
             try:
                 return general(args, kwargs)
             except Exception as exc:
@@ -397,11 +485,17 @@ def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """layer_norm / group_norm: a meta input, weight or bias raises in torch: nothing to read first."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
+        if rows[0] and screen(args, kwargs):
+            try:
+                return general(args, kwargs)
+            except Exception as exc:
+                hide(exc)
+                raise
         try:
             return orig(*args, **kwargs)
         except Exception as exc:
@@ -421,10 +515,10 @@ def _norm(spec: OpSpec, orig: Wrapper) -> Wrapper:
 def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
     """cat / concat / concatenate(tensors, dim=0, *, out=None): every dtype is read, since a
     promotion torch accepts is still reported; devices are left to torch, which raises."""
-    dynamo, compiler, rows, general, failed, slow = _prologue(spec, orig)
+    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or rows[0] or compiler._is_compiling_flag:
+        if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
             seq = args[0] if args else kwargs["tensors"]
@@ -436,7 +530,7 @@ def _cat(spec: OpSpec, orig: Wrapper) -> Wrapper:
                     break
         except _ODD:
             look = True
-        if look:
+        if look or (rows[0] and screen(args, kwargs)):
             try:
                 return general(args, kwargs)
             except Exception as exc:
@@ -478,6 +572,7 @@ _TEMPLATES: dict[str, Callable[[OpSpec, Wrapper], Wrapper]] = {
     "norm": _norm,
     "linear": _linear,
     "conv": _conv,
+    "index": _index,
 }
 
 
@@ -538,6 +633,11 @@ TARGETS: tuple[tuple[Any, str, str], ...] = (
     (torch, "layer_norm", "torch.layer_norm"),
     (torch, "group_norm", "torch.group_norm"),
     (torch, "concatenate", "torch.concatenate"),
+    (F, "embedding", "F.embedding"),
+    (torch, "index_select", "torch.index_select"),
+    (torch.Tensor, "index_select", "Tensor.index_select"),
+    (torch, "gather", "torch.gather"),
+    (torch.Tensor, "gather", "Tensor.gather"),
 )
 
 PATCHES: tuple[Patch, ...] = tuple(
