@@ -240,8 +240,13 @@ CASES = {
 }
 
 
+# An index op (embedding, index_select, gather) meets one floating dtype at most: there is no dtype mix to accept.
+# test_differential.py shows them bit-identical on valid inputs, integer index dtypes included.
+NO_DTYPE_MIX = frozenset(name for name, spec in SPECS.items() if spec.kind == "index")
+
+
 def test_every_guarded_callable_has_a_case():
-    assert set(CASES) == set(SPECS)
+    assert NO_DTYPE_MIX and set(CASES) == set(SPECS) - NO_DTYPE_MIX
 
 
 def _run(ac, make):

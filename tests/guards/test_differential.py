@@ -112,7 +112,37 @@ def _cases():
         seq = tuple(parts) if draw(st.booleans()) else parts
         return lambda: fn(seq, **{kwname: dim})
 
+    @st.composite
+    def embedding(draw):
+        dtype = draw(st.sampled_from(FLOATS))
+        n, d = draw(st.integers(2, 9)), draw(dims)
+        w = draw(tensor((n, d), dtype))
+        shape = _batch(draw, draw(st.integers(1, 3)))
+        ids = torch.randint(0, n, shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+        ids = ids.to(draw(st.sampled_from((torch.int64, torch.int32))))
+        pad = draw(st.none() | st.integers(0, n - 1))
+        return lambda: F.embedding(ids, w, pad) if pad is not None else F.embedding(ids, w)
+
+    @st.composite
+    def lookup(draw, fn, gather=False):
+        """index_select / gather: data of any layout, an integer index into ``dim``."""
+        dtype = draw(st.sampled_from((*FLOATS, torch.int64)))
+        shape = tuple(draw(st.lists(dims, min_size=1, max_size=3)))
+        x = draw(tensor(shape, dtype))
+        dim = draw(st.integers(-len(shape), len(shape) - 1))
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 99)))
+        if gather:
+            index = torch.randint(0, shape[dim], tuple(draw(st.integers(1, s)) for s in shape), generator=gen)
+        else:
+            index = torch.randint(0, shape[dim], (draw(dims),), generator=gen).to(draw(st.sampled_from((torch.int64, torch.int32))))
+        return lambda: fn(x, dim, index)
+
     return {
+        "F.embedding": embedding(),
+        "torch.index_select": lookup(torch.index_select),
+        "Tensor.index_select": lookup(lambda x, d, i: x.index_select(d, i)),
+        "torch.gather": lookup(torch.gather, gather=True),
+        "Tensor.gather": lookup(lambda x, d, i: x.gather(d, i), gather=True),
         "torch.matmul": two(torch.matmul),
         "Tensor.matmul": two(lambda a, b: a.matmul(b)),
         "Tensor.__matmul__": two(lambda a, b: a @ b),

@@ -4,8 +4,9 @@ Pure: it sees devices, never tensors, and patches nothing.
 
 Policy ``error`` raises before the op runs (torch 2.13 silently returns
 garbage for ``torch.mm(cpu, meta)`` and ``F.linear(cpu, meta_weight)``);
-``align`` moves inputs to the weight's device, else the first tensor's. A meta
-tensor can never be moved: it holds no data.
+``align`` moves inputs to the weight's device, else the first tensor's (for
+``embedding``, ``index_select`` and ``gather``: the index moves to the data, as
+the maintainers' fixes do). A meta tensor can never be moved: it holds no data.
 
 >>> import torch
 >>> from torchfix.guards.plan import Operand
@@ -19,11 +20,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ..devices import canonical
 from .ops import PARAM_ROLES
 from .plan import Action, Finding, Operand
 
 __all__ = ["decide"]
+
+
+def _is_index(operand: Operand) -> bool:
+    """An integer tensor: an index (token ids, positions) into data of another dtype."""
+    return not (operand.dtype.is_floating_point or operand.dtype.is_complex or operand.dtype == torch.bool)
 
 
 def decide(operands: Sequence[Operand], policy: str = "error") -> Finding | None:
@@ -56,16 +64,22 @@ def decide(operands: Sequence[Operand], policy: str = "error") -> Finding | None
             "or materialise with module.to_empty(device=...) and initialise them"
         )
         return Finding("device", problem, fix, (), torch_raises=False)
-    if policy != "align":
-        return Finding(
-            "device",
-            f"tensors on different devices: {where}",
-            "move them to one device with .to(device) "
-            "(or enable torchfix with device_policy='align' to move inputs to the weight's device)",
-            (),
-            torch_raises=True,
-        )
     anchor = next((n for n in devices if n.split("[", 1)[0] in PARAM_ROLES), next(iter(devices)))
     target = devices[anchor]
+    if policy != "align":
+        indices = [o.name for o in operands if o.name in devices and _is_index(o) and devices[o.name] != target]
+        if indices and any(o.dtype.is_floating_point for o in operands):
+            fix = (
+                f"move the index to the data's device before the call ({indices[0]}.to({str(target)!r})): the small index "
+                "moves, never the data; in a pipeline, token ids belong on the encoder's execution device "
+                "(pipe._execution_device), and under CPU offload call the encoder module itself so its hook moves them "
+                "(or enable torchfix with device_policy='align' to move the index for you)"
+            )
+        else:
+            fix = (
+                "move them to one device with .to(device) "
+                "(or enable torchfix with device_policy='align' to move inputs to the weight's device)"
+            )
+        return Finding("device", f"tensors on different devices: {where}", fix, (), torch_raises=True)
     actions = tuple(Action("device", "move", n, target) for n, d in devices.items() if d != target)
     return Finding("device", f"tensors on different devices: {where}", f"move the inputs to {target} once, before the call", actions, True)

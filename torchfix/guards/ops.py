@@ -21,9 +21,11 @@ class OpSpec:
     Args:
         name: display name, e.g. ``F.linear`` or ``Tensor.__matmul__``.
         kind: dtype rule: ``matmul`` (family policy), ``linear``/``conv``/``norm``
-            (the activations win over parameters), ``attention`` (the query wins), ``cat``.
+            (the activations win over parameters), ``attention`` (the query wins), ``cat``;
+            ``index`` (an integer index and the data it reads: the device guard only).
         family: the op as known-issue rows name it (``matmul``, ``mm``, ``bmm``,
-            ``linear``, ``conv``, ``layer_norm``, ``group_norm``, ``sdpa``, ``cat``).
+            ``linear``, ``conv``, ``layer_norm``, ``group_norm``, ``sdpa``, ``cat``,
+            ``embedding``, ``index_select``, ``gather``).
         params: positional parameter names, in order.
         tensors: which of ``params`` hold tensors (for ``cat``: the sequence).
 
@@ -86,6 +88,13 @@ SPECS: dict[str, OpSpec] = {
         OpSpec("torch.conv3d", "conv", "conv", ("input", "weight", "bias"), ("input", "weight", "bias")),
         OpSpec("torch.layer_norm", "norm", "layer_norm", ("input", "normalized_shape", "weight", "bias"), ("input", "weight", "bias")),
         OpSpec("torch.group_norm", "norm", "group_norm", ("input", "num_groups", "weight", "bias"), ("input", "weight", "bias")),
+        # an index and the data it reads (the device reports behind most text-encoder crashes: input ids on the CPU
+        # into a CUDA encoder's token embedding); the index is an integer tensor, so only the device guard applies
+        OpSpec("F.embedding", "index", "embedding", ("input", "weight"), ("input", "weight")),
+        OpSpec("torch.index_select", "index", "index_select", ("input", "dim", "index"), ("input", "index")),
+        OpSpec("Tensor.index_select", "index", "index_select", ("self", "dim", "index"), ("self", "index")),
+        OpSpec("torch.gather", "index", "gather", ("input", "dim", "index"), ("input", "index")),
+        OpSpec("Tensor.gather", "index", "gather", ("self", "dim", "index"), ("self", "index")),
         OpSpec("torch.cat", "cat", "cat", ("tensors",), ("tensors",)),
         OpSpec("torch.concat", "cat", "cat", ("tensors",), ("tensors",)),
         OpSpec("torch.concatenate", "cat", "cat", ("tensors",), ("tensors",)),
