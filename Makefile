@@ -2,11 +2,21 @@
 #   make demo   - the main job
 #   make test   - lint + the test suite
 PY ?= python3
+# The pinned torch (the CPU wheel on the machine) lives in .venv. Another torch, or an older diffusers/transformers
+# stack, gets a venv of its own, never .venv: `make test-torch TORCH=2.11.0 [DIFFUSERS=0.35.2 TRANSFORMERS=4.57.6]`.
+TORCH ?= 2.13.0
+DIFFUSERS ?=
+TRANSFORMERS ?=
+ifeq ($(TORCH)|$(DIFFUSERS)|$(TRANSFORMERS),2.13.0||)
 VENV := .venv
+else
+VENV := .venv-torch$(TORCH)$(if $(DIFFUSERS),-diffusers$(DIFFUSERS))$(if $(TRANSFORMERS),-transformers$(TRANSFORMERS))
+endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchfix-installed
+PINS := torch==$(TORCH) $(if $(DIFFUSERS),diffusers==$(DIFFUSERS)) $(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
 
-.PHONY: demo test test-quick lint bench denoisers clean
+.PHONY: demo test test-quick test-torch lint bench denoisers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,9 +24,9 @@ $(BIN)/python:
 
 # torch first and pinned (the CPU wheel on the machine); then the project with its extras.
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q torch==$(TORCH)
 	$(BIN)/python -m pip uninstall -q -y torchfix 2>/dev/null || true  # a pre-rename install of this project (now torchfix-diffusion)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev]' $(PINS)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -35,6 +45,11 @@ test: $(STAMP) lint
 # marks those slow). For a change to the guards, the cache's logic or wrap; `make test` before pushing.
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
+
+# The quick suite on another torch (and optionally diffusers/transformers), in its own venv:
+#   make test-torch TORCH=2.11.0
+#   make test-torch TORCH=2.8.0 DIFFUSERS=0.35.2 TRANSFORMERS=4.57.6
+test-torch: test-quick
 
 # The denoisers the cache benchmark measures on (three image models and a video one), trained here on
 # scikit-learn's digits (~1 CPU-hour);

@@ -11,14 +11,13 @@ torchfix.testing``, ``from torchfix.comfyui import ...``) does not: call ``torch
 False
 """
 
-from . import deepcache, devices, kernels
+from . import devices, kernels
 from ._frames import traceback_filtering
 from ._kept import keep_dtype
 from ._report import FixEvent, Report, report
 from ._state import Status, current, disable, enable, enabled, is_enabled, status
 from .audit import AuditFinding, AuditReport, audit
 from .config import Settings, env_mode
-from .deepcache import DeepCacheConfig
 from .errors import (
     DeviceMismatchError,
     DtypeMismatchError,
@@ -80,18 +79,24 @@ __all__ = [
     "wrap",
 ]
 
-_LAZY = {"PipelineProxy": "pipeline", "wrap": "pipeline"}
+# Imported at first use, so that `import torchfix` brings only the guards: torchfix.wrap needs wrapt, and a script
+# that never caches needs none of the cache (its submodule import is the same: `import torchfix.deepcache`).
+_LAZY = {"PipelineProxy": "pipeline", "wrap": "pipeline", "DeepCacheConfig": "deepcache", "deepcache": None}
 
 
 def __getattr__(name: str) -> object:
-    # torchfix.wrap needs wrapt: imported at first use, so `import torchfix` stays light.
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+        value = module if _LAZY[name] is None else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'torchfix' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def _under_cli() -> bool:
