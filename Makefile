@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchfix-installed
 PINS := torch==$(TORCH) $(if $(DIFFUSERS),diffusers==$(DIFFUSERS)) $(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
 
-.PHONY: demo test test-quick test-torch lint bench denoisers clean
+.PHONY: demo test test-quick test-torch lint bench denoisers gpu-wheels gpu-check gpu-check-small clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,21 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/kernels.py
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/memory.py
+
+# The GPU check (benchmarks/gpu.py): the quick suite, the kernel tests and a <= 6-minute benchmark on a lent GPU
+# machine, whose image has torch but no diffusers and no network. Here: `make gpu-wheels` puts the wheels it lacks
+# into .whl/ (carry it); on the device, from the repository root (timeout 600 s): `make gpu-check` (or the plain
+# command at the top of benchmarks/gpu.py); `make gpu-check-small` is the CPU dry run with tiny models.
+GPU_SITE ?= /tmp/site
+gpu-wheels:
+	bash benchmarks/gpu_wheels.sh
+
+gpu-check:
+	$(PY) -m pip install -q --no-index --no-deps --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 $(PY) benchmarks/gpu.py --out "$${OUT:-/tmp/gpu-check}" $(GPU_ARGS)
+
+gpu-check-small: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py --small --out /tmp/gpu-check-small
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -47,3 +47,33 @@ def test_bad_inputs():
         devices.canonical("gpu")
     with pytest.raises(TypeError):
         devices.canonical(3.5)
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["no-cuda", "cuda"])
+def test_rows_in_force_status_and_doctor_follow_a_usable_cuda(monkeypatch, capsys, cuda):
+    """On Linux the CUDA rows whose torch range holds this torch are in force exactly where a CUDA device is usable;
+    ``status()`` and ``torchfix doctor`` say so either way (a GPU machine is told apart here by what torch reports)."""
+    import argparse
+
+    import torchfix
+    from torchfix import cli
+    from torchfix.guards import known_issues as ki
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1 if cuda else 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
+    row = torchfix.add_known_issue(torchfix.KnownIssue("cuda", ("mm",), ki.any_noncontiguous, "test#cuda", "contiguous"))
+    try:
+        ranged = {e.issue for e in ki.entries() if e.device_type == "cuda" and e.explain("cuda", ki.TORCH_VERSION, None)[0]}
+        states = {s.issue: s for s in ki.states()}
+        assert "test#cuda" in ranged and {issue for issue, s in states.items() if s.in_force} == (ranged if cuda else set())
+        for issue in ranged:
+            assert states[issue].reason.endswith("no usable cuda device in this process") != cuda
+        assert str(torchfix.status()).count("IN FORCE") == (len(ranged) if cuda else 0)
+        assert cli.cmd_doctor(argparse.Namespace()) == 0
+    finally:
+        monkeypatch.undo()  # first: removing the row refreshes the rows in force with what torch really reports
+        torchfix.remove_known_issue(row)
+    out = capsys.readouterr().out
+    assert out.count("IN FORCE HERE") == (len(ranged) if cuda else 0)
+    assert ("cuda          yes: cuda:0 NVIDIA H200" in out) == cuda and ("cuda          no" in out) != cuda

@@ -57,6 +57,78 @@ def test_a_clean_fp16_sdxl_pipeline_is_quiet_in_warn_mode_with_warnings_as_error
     assert "torch.concat" in rep.summary(verbose=True)
 
 
+JOIN = "import torch\n\n\ndef join(a, b):\n    return torch.cat([a, b])\n"
+
+
+def _load(path, name: str):
+    """``path`` run as module ``name`` (code objects carry ``path``, as an import from there would give them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_library_imported_from_outside_site_packages_keeps_its_promotions_quiet(tmp_path, monkeypatch):
+    """What the GPU machine does (diffusers from a ``pip install --target`` folder on PYTHONPATH): the library is
+    the library wherever it was imported from. Its promotion is internal and quiet, its site reads ``peft/…``; the
+    same code in a package of another name is the user's, and warned."""
+    import types
+    import warnings
+
+    site = tmp_path / "site"
+    for name in ("peft", "mylib"):
+        (site / name).mkdir(parents=True)
+        (site / name / "ops.py").write_text(JOIN)
+    package = types.ModuleType("peft")
+    package.__path__ = [str(site / "peft")]
+    monkeypatch.setitem(sys.modules, "peft", package)  # peft "imported" from the folder, not from site-packages
+    library, mine = _load(site / "peft" / "ops.py", "peft.ops"), _load(site / "mylib" / "ops.py", "mylib.ops")
+    a, b = torch.randn(2, dtype=torch.float16), torch.randn(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchfix.TorchfixWarning)
+        with torchfix.enabled(mode="warn"):
+            out = library.join(a, b)
+    assert torch.equal(out, torch.cat([a, b])) and out.dtype == torch.float32  # left as torch computes it
+    (event,) = torchfix.report().events
+    assert event.internal and event.action == "noted" and event.site == "peft/ops.py:5" and event.module is None
+    with torchfix.enabled(mode="warn"), pytest.warns(torchfix.TorchfixWarning, match="noticed torch.cat"):
+        mine.join(a, b)
+    assert not torchfix.report().events[-1].internal
+
+
+def test_a_clean_fp16_sdxl_pipeline_with_diffusers_from_a_target_folder_is_quiet_subprocess(tmp_path):
+    """The GPU machine's layout end to end, in a fresh interpreter: diffusers imported from a folder on PYTHONPATH
+    (here a link to the installed package, as ``pip install --target`` lays it out), the warn-mode run as above."""
+    pytest.importorskip("diffusers")
+    import os
+    import pathlib
+    import subprocess
+
+    import diffusers
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "diffusers").symlink_to(pathlib.Path(diffusers.__file__).parent, target_is_directory=True)
+    code = (
+        "import warnings, torch, torchfix, diffusers\n"
+        f"assert diffusers.__file__.startswith({str(site)!r}), diffusers.__file__\n"
+        "from torchfix.testing import latents, tiny_sdxl_pipeline\n"
+        "pipe = tiny_sdxl_pipeline().to(torch.float16)\n"
+        "warnings.simplefilter('error', torchfix.TorchfixWarning)\n"
+        "with torchfix.enabled(mode='warn'):\n"
+        "    latents(pipe, steps=2)\n"
+        "rep = torchfix.report()\n"
+        "assert len(rep) == 0 and all(e.internal and e.site.startswith('diffusers/') for e in rep.events), rep.events\n"
+        "print('quiet', len(rep.events))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.update(TORCHFIX_MODE="off", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "quiet 2", done.stderr[-3000:]
+
+
 def test_a_promotion_in_your_own_code_is_a_note_and_warned():
     import warnings
 

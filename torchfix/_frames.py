@@ -82,9 +82,18 @@ def _user_frame(frame: FrameType | None) -> FrameType | None:
 
 
 def _short(filename: str) -> str:
+    """A file as events and errors name it: ``diffusers/models/…`` for a file of an installed package, the relative
+    path for the user's own. A library of :data:`LIBRARIES` is named by where it was imported from (its package's
+    ``__path__``), wherever that is: ``pip install --target DIR`` on ``PYTHONPATH`` (a GPU machine whose wheels
+    were carried in) or a source checkout is as much the library's as site-packages, and its sites read alike."""
     for site_dir in _SITE_DIRS:
         if filename.startswith(site_dir):
             return filename[len(site_dir) :]
+    for name in LIBRARIES:
+        for root in getattr(sys.modules.get(name), "__path__", None) or ():
+            root = os.path.join(os.path.abspath(root), "")
+            if filename.startswith(root):
+                return f"{name}/{filename[len(root) :].replace(os.sep, '/')}"
     try:
         rel = os.path.relpath(filename)
     except ValueError:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfix
+from torchfix import devices
 from torchfix.guards import known_issues as ki
 from torchfix.guards import stride as stride_guard
 
@@ -176,13 +177,18 @@ def test_each_row_range_at_its_boundaries(number):
         assert not ok and "needs macOS" in why
 
 
-def test_status_and_doctor_say_why_each_row_is_not_in_force_on_linux():
+def test_status_and_doctor_say_why_each_row_is_or_is_not_in_force_on_linux():
     states = {s.issue: s for s in ki.states()}
     assert len(states) == len(ki.entries())
     assert not states["pytorch/pytorch#197636"].in_force and "needs macOS (macOS ≥ 15)" in states["pytorch/pytorch#197636"].reason
     assert "is not in torch < 1.13" in states["pytorch/pytorch#78511"].reason
+    # On Linux only a CUDA row can be in force: one whose torch range holds this torch, where a CUDA device is usable
+    # (tests/test_devices.py shows both sides on any machine).
+    cuda = devices.backend_usable("cuda")
+    here = {e.issue for e in ki.entries() if e.device_type == "cuda" and cuda and e.explain("cuda", ki.TORCH_VERSION, None)[0]}
+    assert {issue for issue, s in states.items() if s.in_force} == here
     text = str(torchfix.status())
-    assert "upper ends exclusive" in text and "15.0 ≤ macOS < 26.4" in text and "IN FORCE" not in text
+    assert "upper ends exclusive" in text and "15.0 ≤ macOS < 26.4" in text and text.count("IN FORCE") == len(here)
 
 
 def test_the_guide_shows_the_table_as_the_rows_have_it():
