@@ -359,3 +359,91 @@ def test_calls_from_several_threads_run_in_turn_and_each_returns_what_a_lone_cal
         t.join(timeout=300)
     assert all(torch.equal(got[i], serial[i]) for i in range(len(jobs)))
     assert torchfix.deepcache.stats(pipe)["generations"] == 2 * len(jobs)
+
+
+def sdxl_without_its_text_encoders():
+    """SDXL with both text encoders (and tokenizers) dropped to save memory, its embeddings computed beforehand with
+    the encoders loaded (diffusers' documented pattern): the pipeline and the four embeddings."""
+    full = tiny_sdxl_pipeline()
+    with torch.no_grad():
+        embeds = full.encode_prompt("a cat", device="cpu", num_images_per_prompt=1, negative_prompt="ugly")
+    pipe = StableDiffusionXLPipeline(
+        vae=full.vae, unet=full.unet, scheduler=full.scheduler, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, dict(zip(("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"), embeds))
+
+
+def positive(embeds):
+    return {k: v for k, v in embeds.items() if not k.startswith("negative")}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda e: e,  # all four embeddings, classifier-free guidance (guidance_scale 5.0, the default)
+        lambda e: {**positive(e), "guidance_scale": 1.0},  # no guidance: no negative needed
+        lambda e: positive(e),  # guidance without a negative prompt: force_zeros_for_empty_prompt makes zeros of it
+    ],
+    ids=["all-four", "no-guidance", "zeros-for-empty"],
+)
+def test_sdxl_without_its_text_encoders_runs_precomputed_embeddings_exactly_as_plainly(call):
+    pipe, embeds = sdxl_without_its_text_encoders()
+    kwargs = call(embeds)
+    plain = run(pipe, None, steps=2, **kwargs)
+    w = torchfix.wrap(pipe)
+    assert torch.equal(run(w, None, steps=2, **kwargs), plain)
+    (info,) = w.findings  # the missing encoder is information, never a refusal of the pipeline
+    assert info.advisory and info.component == "unet" and "there is no text_encoder_2" in info.problem
+    assert "refused before it runs" in info.fix and not torchfix.report().events
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda e: {"prompt": "a cat"}, r"StableDiffusionXLPipeline\(prompt='a cat'\) would encode the prompt with tokenizer_2 and "
+         r"text_encoder_2, but the pipeline has no tokenizer_2 or text_encoder_2 \(it was loaded with tokenizer_2=None, "
+         r"text_encoder_2=None\).*Pass prompt_embeds= and pooled_prompt_embeds= instead of prompt="),
+        (lambda e: {**positive(e), "negative_prompt": "ugly"}, r"with guidance_scale=5.0 \(classifier-free guidance\) and no "
+         r"negative_prompt_embeds would encode the negative prompt with tokenizer_2 and text_encoder_2.*Pass "
+         r"negative_prompt_embeds= and negative_pooled_prompt_embeds= as well, leave negative_prompt out .*, or guidance_scale=1"),
+    ],
+    ids=["prompt", "negative-prompt"],
+)  # fmt: skip
+def test_sdxl_without_its_text_encoders_refuses_a_call_that_needs_one_before_it_runs(call, says):
+    pipe, embeds = sdxl_without_its_text_encoders()
+    kwargs = call(embeds)
+    prompt = kwargs.pop("prompt", None)
+    with pytest.raises((AttributeError, TypeError)):  # plain diffusers: inside encode_prompt, on the missing tokenizer
+        run(pipe, prompt, steps=2, **kwargs)
+    calls = []
+    pipe.unet.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(torchfix.InvalidCallError, match=says):
+        run(torchfix.wrap(pipe), prompt, steps=2, **kwargs)
+    assert calls == []
+
+
+def test_without_zeros_for_an_empty_prompt_guidance_needs_the_negative_embeddings():
+    pipe, embeds = sdxl_without_its_text_encoders()
+    pipe.register_to_config(force_zeros_for_empty_prompt=False)  # diffusers then encodes "" as the negative prompt
+    says = r"Pass negative_prompt_embeds= and negative_pooled_prompt_embeds= as well, or guidance_scale=1"
+    with pytest.raises(torchfix.InvalidCallError, match=says) as info:
+        run(torchfix.wrap(pipe), None, steps=2, **positive(embeds))
+    assert "leave negative_prompt out" not in str(info.value)
+    plain = run(pipe, None, steps=2, **embeds)
+    assert torch.equal(run(torchfix.wrap(pipe), None, steps=2, **embeds), plain)
+
+
+def test_sd15_without_its_text_encoder_runs_embeddings_and_refuses_a_prompt():
+    full = tiny_sd15_pipeline()
+    with torch.no_grad():
+        embeds, negative = full.encode_prompt("a cat", "cpu", 1, True, negative_prompt="ugly")
+    pipe = StableDiffusionPipeline(**{**full.components, "text_encoder": None, "tokenizer": None}, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {"prompt_embeds": embeds, "negative_prompt_embeds": negative}
+    plain = run(pipe, None, steps=2, **kwargs)
+    assert torch.equal(run(torchfix.wrap(pipe), None, steps=2, **kwargs), plain)
+    with pytest.raises(torchfix.InvalidCallError, match=r"would encode the negative prompt with tokenizer and text_encoder"):
+        run(torchfix.wrap(pipe), None, steps=2, prompt_embeds=embeds)  # guidance 7.5: SD1.5 encodes "" as the negative
+    with pytest.raises(torchfix.InvalidCallError, match=r"StableDiffusionPipeline\(prompt='a cat'\) would encode the prompt"):
+        run(torchfix.wrap(pipe), steps=2)

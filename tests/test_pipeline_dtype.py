@@ -89,48 +89,188 @@ def test_an_fp16_controlnet_beside_an_fp32_unet_runs_in_fp32_without_a_lasting_u
     assert fixes and all(e.module.startswith("controlnet") and "float16→float32" in e.detail for e in fixes)
 
 
-def test_clip_bodies_in_fp16_beside_a_bf16_sd3_run_in_bf16():
-    def build():
-        pipe = tiny_sd3_pipeline(layers=2).to(bf16)
-        for encoder in (pipe.text_encoder, pipe.text_encoder_2):
-            encoder.text_model.half()  # the bodies loaded in fp16, the projection in the pipeline's bf16
-        return pipe
+def first_noise(pipe, run):
+    """What ``run()`` returns, and the latents the pipeline's transformer was handed at its first call: the initial
+    noise as the pipeline drew it (its dtype decides the draw on torch 2.11's CPU, whose bf16 ``randn`` is not its
+    fp32 draw rounded)."""
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].clone()), with_kwargs=True)
+    try:
+        out = run()
+    finally:
+        hook.remove()
+    return seen[0], out
 
-    pipe = build()
+
+def import_mode_hands_embeddings_over():
+    """Under plain ``import torchfix`` the prompt embeddings reach the denoiser in its dtype only through diffusers'
+    ``encode_prompt`` patched (torchfix/patches/libraries.py, calling ``torchfix.preflight.embeddings_for_denoiser``):
+    where that patch is not installed, the import-mode half of a test is an expected failure that says so."""
+    from torchfix import patches
+
+    if not any("encode_prompt" in label for label in patches.installed()):
+        pytest.xfail(
+            "plain import torchfix does not see encode_prompt's result yet: needs diffusers' encode_prompt patched in "
+            "torchfix/patches/libraries.py to call torchfix.preflight.embeddings_for_denoiser (as torchfix.wrap does)"
+        )
+
+
+def sd3_with_fp16_clip_bodies():
+    """transformers#36679 (diffusers#11117, SD3.5 medium in bf16): CLIPTextModelWithProjection built its text model from
+    the config's fp16 while its text_projection loaded in the asked-for bf16."""
+    pipe = tiny_sd3_pipeline(layers=2).to(bf16)
+    for encoder in (pipe.text_encoder, pipe.text_encoder_2):
+        encoder.text_model.half()
+    return pipe
+
+
+def sd3_maintainers_fix():
+    """The maintainers' fix (transformers#36679): every part of the text encoders in the pipeline's dtype."""
+    fixed = sd3_with_fp16_clip_bodies()
+    fixed.text_encoder.to(bf16), fixed.text_encoder_2.to(bf16)
+    return fixed
+
+
+def test_clip_bodies_in_fp16_beside_a_bf16_sd3_run_in_bf16():
+    pipe = sd3_with_fp16_clip_bodies()
     with pytest.raises(RuntimeError, match="same dtype"):
         latents(pipe, steps=2)
+    fixed = sd3_maintainers_fix()
+    noise_fixed, reference = first_noise(fixed, lambda: latents(fixed, steps=2))
+    w = torchfix.wrap(pipe)
+    noise, out = first_noise(pipe, lambda: latents(w, steps=2))
+    # the prompt embeddings (the fp16 bodies' hidden states cat with the bf16 T5's: torch promotes them to fp32) reach
+    # the transformer in bf16 before the pipeline draws its noise in their dtype: the very noise of the maintainers' fix
+    assert noise.dtype == bf16 and torch.equal(noise, noise_fixed)
+    assert out.dtype == bf16 and rel_l2(out, reference) < 0.02  # the rest is the fp16 bodies' rounding
     with torchfix.enabled():
         pooled = pipe.encode_prompt("a cat", "a cat", "a cat")[2]
-        out = latents(pipe, steps=2)
-    # the pooled output through text_projection: bf16, as the maintainers' (was cast down to fp16); the prompt embeddings
-    # (hidden states of the fp16 bodies cat with the bf16 T5's) are torch's own cat promotion, which it accepts: left alone
+    # the pooled output through text_projection: bf16, as the maintainers' (was cast down to fp16)
     assert pooled.dtype == bf16 and pipe.text_encoder.text_projection.weight.dtype == bf16
-    fixed = build()
-    fixed.text_encoder.to(bf16), fixed.text_encoder_2.to(bf16)  # the maintainers' fix: the pipeline's dtype
-    assert out.dtype == bf16 and rel_l2(out, latents(fixed, steps=2)) < 0.02
     casts = [e for e in torchfix.report().events if e.action != "noted"]
     encoders = [e for e in casts if e.module.startswith("text_encoder")]
     assert encoders and all(e.module.endswith(".text_projection") and "input float16→bfloat16" in e.detail for e in encoders)
-    # the rest: the fp32 embeddings and latents (torch's cat promotion) cast to bf16 at the transformer's first layers
-    assert all(e.module.startswith("transformer.") and "float32→bfloat16" in e.detail for e in casts if e not in encoders)
+    handed = [e for e in casts if e not in encoders]
+    assert handed and all(e.module == "transformer.context_embedder" and e.change == "float32→bfloat16" for e in handed)
+    assert "text_encoder is float16, text_encoder_2 is float16" in handed[0].detail and "before the noise is drawn" in handed[0].detail
+    assert "encode_prompt" not in vars(pipe)  # the hand-over lived for the wrapped call only
+
+
+def test_clip_bodies_in_fp16_beside_a_bf16_sd3_under_import_torchfix():
+    pipe = sd3_with_fp16_clip_bodies()
+    fixed = sd3_maintainers_fix()
+    noise_fixed, reference = first_noise(fixed, lambda: latents(fixed, steps=2))
+    with torchfix.enabled():
+        import_mode_hands_embeddings_over()
+        noise, out = first_noise(pipe, lambda: latents(pipe, steps=2))
+    assert noise.dtype == bf16 and torch.equal(noise, noise_fixed) and rel_l2(out, reference) < 0.02
+
+
+def flux_with_an_fp32_t5():
+    """diffusers#9677: a bf16 Flux pipeline whose T5 (text_encoder_2) is kept in fp32 on purpose."""
+    pipe = tiny_flux_pipeline().to(bf16)
+    pipe.text_encoder_2.float()
+    return pipe
+
+
+def flux_maintainers_fix(pipe, **kwargs):
+    """The maintainers' fix (diffusers#9677, #9097): encode with the fp32 T5, cast its output to the transformer's dtype
+    and pass it in."""
+    with torch.no_grad():  # as the pipeline's own call encodes (the fp32 T5 takes another kernel path with grad on)
+        embeds, pooled, _ = pipe.encode_prompt("a cat", "a cat")
+    return latents(pipe, None, steps=2, prompt_embeds=embeds.to(bf16), pooled_prompt_embeds=pooled, **kwargs)
 
 
 def test_a_flux_pipeline_with_an_fp32_t5_keeps_its_transformer_bf16():
-    pipe = tiny_flux_pipeline().to(bf16)
-    pipe.text_encoder_2.float()
+    pipe = flux_with_an_fp32_t5()
     with pytest.raises(RuntimeError, match="same dtype"):
         latents(pipe, steps=2)
-    before = tensors(pipe.transformer)
+    before, t5 = tensors(pipe.transformer), tensors(pipe.text_encoder_2)
+    reference = flux_maintainers_fix(pipe)
+    torchfix.report().clear()
     w = torchfix.wrap(pipe)
     out = latents(w, steps=2)
-    assert tensors(pipe.transformer) == before and w.kept_bytes == 0
-    # the maintainers' fix: the T5 output cast to the transformer's dtype
-    embeds, pooled, _ = pipe.encode_prompt("a cat", "a cat")
-    reference = latents(pipe, None, steps=2, prompt_embeds=embeds.to(bf16), pooled_prompt_embeds=pooled)
-    assert rel_l2(out, reference) < 0.02
-    fixes = [e for e in torchfix.report().events if e.action != "noted"]
-    assert fixes and all(e.module.startswith("transformer.") and "input float32→bfloat16" in e.detail for e in fixes)
-    assert len(fixes) <= 2 * 2  # latents and embeddings, once each per step: never once per layer
+    # the T5 output in bf16 before the noise is drawn, as the maintainers': the same noise for the seed on every torch,
+    # and so the same picture, bit for bit
+    assert out.dtype == bf16 and torch.equal(out, reference)
+    assert tensors(pipe.transformer) == before and tensors(pipe.text_encoder_2) == t5 and w.kept_bytes == 0
+    (event,) = [e for e in torchfix.report().events if e.action != "noted"]  # nothing left to cast inside the transformer
+    assert event.module == "transformer.context_embedder" and event.change == "float32→bfloat16"
+    assert "text_encoder_2 is float32" in event.detail and "before the noise is drawn" in event.detail
+    assert torch.equal(latents(w, steps=2), reference) and "encode_prompt" not in vars(pipe)
+    with torch.no_grad():  # the user's own encode_prompt call returns what the fp32 T5 makes, as plainly
+        assert w.encode_prompt("a cat", "a cat")[0].dtype == torch.float32
+
+
+def test_a_flux_pipeline_with_an_fp32_t5_under_import_torchfix():
+    pipe = flux_with_an_fp32_t5()
+    reference = flux_maintainers_fix(pipe)
+    with torchfix.enabled():
+        with torch.no_grad():  # the user's own encode_prompt call returns what the fp32 T5 makes, as plainly
+            assert pipe.encode_prompt("a cat", "a cat")[0].dtype == torch.float32
+        import_mode_hands_embeddings_over()
+        assert torch.equal(latents(pipe, steps=2), reference)
+
+
+def test_the_hand_over_warns_once_in_warn_mode_and_is_refused_in_strict_mode():
+    pipe = flux_with_an_fp32_t5()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latents(torchfix.wrap(pipe, mode="warn"), steps=2)
+    said = [str(c.message) for c in caught if issubclass(c.category, torchfix.TorchfixWarning) and "encode_prompt" in str(c.message)]
+    assert len(said) == 1 and "pipe.text_encoder_2.to(torch.bfloat16)" in said[0] and "diffusers#9677" in said[0]
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(torchfix.DtypeMismatchError) as info:
+            latents(torchfix.wrap(pipe, mode="strict"), steps=2)
+    finally:
+        hook.remove()
+    msg = str(info.value)
+    assert "FluxPipeline.encode_prompt returned prompt embeddings in float32 (text_encoder_2 is float32)" in msg
+    assert "transformer.context_embedder reads them in bfloat16" in msg and "To fix:" in msg and calls == []
+
+
+def sd15_with_an_fp32_text_encoder(lora=False):
+    pipe = tiny_sd15_pipeline().to(bf16)
+    pipe.text_encoder.float()
+    if lora:  # a LoRA on the UNet's attention: attn2.to_k (which reads the embeddings) is peft's wrapper of the Linear
+        from peft import LoraConfig
+
+        torch.manual_seed(3)
+        pipe.unet.add_adapter(LoraConfig(r=4, target_modules=["to_k", "to_q", "to_v"], init_lora_weights=False))
+    return pipe
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain-unet", "lora-unet"])
+def test_a_unet_pipeline_with_an_fp32_text_encoder_draws_the_noise_of_the_encoder_output_cast(lora):
+    """SD1.5 casts even precomputed prompt_embeds to its text encoder's dtype, so the fix is at the encoder's output:
+    the reference casts what encode_prompt returns to the UNet's dtype, and runs plainly."""
+    if lora:
+        pytest.importorskip("peft")
+    pipe = sd15_with_an_fp32_text_encoder(lora)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        latents(pipe, steps=2)
+    fixed = sd15_with_an_fp32_text_encoder(lora)
+    encode = fixed.encode_prompt
+    fixed.encode_prompt = lambda *a, **k: tuple(t.to(bf16) for t in encode(*a, **k))
+    reference = latents(fixed, steps=2)
+    out = latents(torchfix.wrap(pipe), steps=2)
+    assert torch.equal(out, reference)
+    (event,) = [e for e in torchfix.report().events if e.action != "noted"]
+    assert event.module.startswith("unet.") and event.module.endswith("attn2.to_k") and event.change == "float32→bfloat16"
+    assert "2 prompt embedding tensor(s)" in event.detail  # the prompt's and the negative prompt's (guidance 7.5)
+
+
+def test_embeddings_torch_takes_under_autocast_are_left_alone():
+    """Under autocast torch runs the fp32 T5's embeddings through the bf16 transformer: a plain run that works, so
+    torchfix changes nothing (bit-identical, no cast)."""
+    pipe = flux_with_an_fp32_t5()
+    with torch.autocast("cpu", dtype=bf16):
+        plain = latents(pipe, steps=2)
+        torchfix.report().clear()
+        assert torch.equal(latents(torchfix.wrap(pipe), steps=2), plain)
+    assert not [e for e in torchfix.report().events if e.action != "noted"]
 
 
 def fp16_pipeline_with_vae(vae_dtype, scale=2e5):

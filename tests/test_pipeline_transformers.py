@@ -178,3 +178,77 @@ def test_t5_wo_kept_in_float32_in_a_bf16_sd3_is_never_a_finding_or_a_change(mode
             assert torch.equal(torch.compile(t5, backend="eager")(ids).last_hidden_state, plain_t5)
         torch._dynamo.reset()
         w.unwrap()
+
+
+def without_text_encoders(builder, *dropped):
+    """A tiny SD3 or Flux pipeline with the named tokenizers and text encoders dropped (loaded with ``=None`` to save
+    memory), and its embeddings computed beforehand with them loaded: the pipeline and the embeddings by keyword."""
+    full = getattr(testing, builder)()
+    with torch.no_grad():
+        if builder == "tiny_sd3_pipeline":
+            out = full.encode_prompt("a cat", None, None, device="cpu", negative_prompt="ugly")
+            names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+            embeds = dict(zip(names, out))
+        else:
+            (e, p, _), (ne, np_, _) = full.encode_prompt("a cat", None, device="cpu"), full.encode_prompt("ugly", None, device="cpu")
+            embeds = {"prompt_embeds": e, "pooled_prompt_embeds": p, "negative_prompt_embeds": ne, "negative_pooled_prompt_embeds": np_}
+    pipe = type(full)(**{**full.components, **dict.fromkeys(dropped)})
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, embeds
+
+
+SD3_ENCODERS = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "tokenizer_3", "text_encoder_3")
+FLUX_ENCODERS = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+
+
+def positive(embeds):
+    return {k: v for k, v in embeds.items() if not k.startswith("negative")}
+
+
+@pytest.mark.parametrize(
+    "builder, dropped, call",
+    [
+        ("tiny_sd3_pipeline", SD3_ENCODERS, lambda e: e),  # guidance 7.0 with both negatives
+        ("tiny_sd3_pipeline", SD3_ENCODERS, lambda e: {**positive(e), "guidance_scale": 1.0}),
+        ("tiny_sd3_pipeline", ("tokenizer_3", "text_encoder_3"), lambda e: {"prompt": "a cat"}),  # SD3 pads without its T5
+        ("tiny_flux_pipeline", FLUX_ENCODERS, lambda e: positive(e)),  # true_cfg_scale 1.0: no negative
+        ("tiny_flux_pipeline", FLUX_ENCODERS, lambda e: {**e, "true_cfg_scale": 2.0}),
+    ],
+    ids=["sd3-guided", "sd3-unguided", "sd3-no-t5", "flux", "flux-true-cfg"],
+)
+def test_a_transformer_pipeline_without_its_encoders_runs_precomputed_embeddings_exactly_as_plainly(builder, dropped, call):
+    pipe, embeds = without_text_encoders(builder, *dropped)
+    kwargs = call(embeds)
+    prompt = kwargs.pop("prompt", None)
+    plain = latents(pipe, prompt, steps=2, **kwargs)
+    assert torch.equal(latents(torchfix.wrap(pipe), prompt, steps=2, **kwargs), plain)
+    assert not torchfix.report().events
+
+
+@pytest.mark.parametrize(
+    "builder, call, says",
+    [
+        ("tiny_sd3_pipeline", lambda e: {"prompt": "a cat"}, r"StableDiffusion3Pipeline\(prompt='a cat'\) would encode the "
+         r"prompt with tokenizer, text_encoder, tokenizer_2 and text_encoder_2, but the pipeline has no tokenizer, "
+         r"text_encoder, tokenizer_2 or text_encoder_2 .*Pass prompt_embeds= and pooled_prompt_embeds= instead of prompt="),
+        ("tiny_sd3_pipeline", positive, r"with guidance_scale=7.0 \(classifier-free guidance\) and no negative_prompt_embeds "
+         r"would encode the negative prompt .*Pass negative_prompt_embeds= and negative_pooled_prompt_embeds= as well, or "
+         r"guidance_scale=1 \(no guidance\)"),
+        ("tiny_flux_pipeline", lambda e: {"prompt": "a cat"}, r"FluxPipeline\(prompt='a cat'\) would encode the prompt"),
+        ("tiny_flux_pipeline", lambda e: {**positive(e), "negative_prompt": "ugly", "true_cfg_scale": 2.0},
+         r"with true_cfg_scale=2.0 \(true CFG\), negative_prompt='ugly' and no negative_prompt_embeds would encode the negative "
+         r"prompt .*or true_cfg_scale=1 \(no true CFG\)"),
+    ],
+    ids=["sd3-prompt", "sd3-negative", "flux-prompt", "flux-negative"],
+)  # fmt: skip
+def test_a_transformer_pipeline_without_its_encoders_refuses_a_call_that_needs_one_before_it_runs(builder, call, says):
+    pipe, embeds = without_text_encoders(builder, *(SD3_ENCODERS if builder == "tiny_sd3_pipeline" else FLUX_ENCODERS))
+    kwargs = call(embeds)
+    prompt = kwargs.pop("prompt", None)
+    with pytest.raises((AttributeError, TypeError)):  # plain diffusers: inside encode_prompt, on a missing tokenizer
+        latents(pipe, prompt, steps=2, **kwargs)
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(torchfix.InvalidCallError, match=says):
+        latents(torchfix.wrap(pipe), prompt, steps=2, **kwargs)
+    assert calls == []

@@ -33,7 +33,7 @@ from . import _frames, _kept
 from .families import DENOISERS, config_value, main_denoiser
 from .guards import dtype as dtype_guard
 
-__all__ = ["PROBES", "forget", "kept_high", "model_dtype", "owner_dtype", "pipeline_dtype"]
+__all__ = ["PROBES", "forget", "kept_high", "layer_dtype", "model_dtype", "owner_dtype", "pipeline_dtype"]
 
 PROBES = 64
 
@@ -51,6 +51,16 @@ def _compute_dtype(module: torch.nn.Module) -> torch.dtype | None:
     hook = get(_LAYERWISE) if callable(get) else None
     dtype = getattr(hook, "compute_dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def layer_dtype(layer: torch.nn.Module) -> torch.dtype | None:
+    """The dtype a layer computes in: its compute dtype under diffusers' layerwise casting, else its weight's.
+
+    >>> layer_dtype(torch.nn.Linear(2, 2).half())
+    torch.float16
+    """
+    weight = getattr(layer, "weight", None)
+    return _compute_dtype(layer) or (weight.dtype if isinstance(weight, torch.Tensor) else None)
 
 
 def _count(model: torch.nn.Module) -> tuple[tuple[weakref.ref, ...], tuple[torch.dtype, ...], torch.dtype | None]:

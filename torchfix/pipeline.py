@@ -19,6 +19,8 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,12 +46,12 @@ from .errors import (
     TorchfixWarning,
     UnsupportedModelError,
 )
-from .families import DENOISERS
+from .families import DENOISERS, config_value
 from .families.entries import LIKELY
 from .guards import dtype as dtype_guard
 from .guards.plan import Finding
 from .patches import libraries
-from .patches.instance import HookHandle, TensorHandle, add_hook, swap_tensor
+from .patches.instance import AttrHandle, HookHandle, TensorHandle, add_hook, set_attr, swap_tensor
 from .runtime import finite
 
 __all__ = ["Finding", "PipelineProxy", "wrap"]
@@ -173,6 +175,155 @@ def _check_arguments(pipeline: str, kwargs: dict[str, Any]) -> None:
         )
 
 
+def _above_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+
+
+def _unet_guidance(pipe: Any, call: dict[str, Any]) -> str | None:
+    """SD/SDXL: classifier-free guidance (``guidance_scale`` > 1 on a UNet without ``time_cond_proj_dim``) with no
+    ``negative_prompt_embeds`` encodes the negative prompt, unless SDXL's ``force_zeros_for_empty_prompt`` makes zeros
+    of a missing ``negative_prompt``."""
+    scale = call.get("guidance_scale")
+    if not _above_one(scale) or config_value(getattr(pipe, "unet", None), "time_cond_proj_dim") is not None:
+        return None
+    if call.get("negative_prompt_embeds") is not None:
+        return None
+    if call.get("negative_prompt") is None and config_value(pipe, "force_zeros_for_empty_prompt") is True:
+        return None
+    return f"guidance_scale={scale} (classifier-free guidance) and no negative_prompt_embeds"
+
+
+def _sd3_guidance(pipe: Any, call: dict[str, Any]) -> str | None:
+    """SD3: classifier-free guidance (``guidance_scale`` > 1) with no ``negative_prompt_embeds`` encodes the negative
+    prompt ("" where none is given)."""
+    scale = call.get("guidance_scale")
+    if _above_one(scale) and call.get("negative_prompt_embeds") is None:
+        return f"guidance_scale={scale} (classifier-free guidance) and no negative_prompt_embeds"
+    return None
+
+
+def _flux_true_cfg(pipe: Any, call: dict[str, Any]) -> str | None:
+    """Flux: true CFG (``true_cfg_scale`` > 1 with a negative prompt or negative embeddings) with no
+    ``negative_prompt_embeds`` encodes the negative prompt; its ``guidance_scale`` is an input of the model, not CFG."""
+    scale, negative = call.get("true_cfg_scale"), call.get("negative_prompt")
+    both = call.get("negative_prompt_embeds") is not None and call.get("negative_pooled_prompt_embeds") is not None
+    if _above_one(scale) and (negative is not None or both) and call.get("negative_prompt_embeds") is None:
+        return f"true_cfg_scale={scale} (true CFG), negative_prompt={negative!r} and no negative_prompt_embeds"
+    return None
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """When one kind of diffusers pipeline runs its text encoders in a call (read off its ``encode_prompt`` and
+    ``__call__`` in diffusers 0.42.1), and what it needs then.
+
+    Args:
+        pipelines: pipeline class names (matched on the class and its bases).
+        needs: the tokenizers and text encoders an encoding uses.
+        embeds: what a call passes instead of ``prompt=`` (each with its ``negative_`` twin under guidance).
+        negative: ``(pipe, bound call) -> why`` the call encodes a negative prompt too, or ``None``.
+    """
+
+    pipelines: tuple[str, ...]
+    needs: tuple[str, ...]
+    embeds: tuple[str, ...]
+    negative: Callable[[Any, dict[str, Any]], str | None]
+
+
+_CLIP_T5 = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+_ENCODINGS = (
+    _Encoding(
+        ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLControlNetPipeline"),
+        ("tokenizer_2", "text_encoder_2"),  # text_encoder may be None (the refiner layout): the second encoder alone
+        ("prompt_embeds", "pooled_prompt_embeds"),
+        _unet_guidance,
+    ),
+    _Encoding(
+        ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionControlNetPipeline"),
+        ("tokenizer", "text_encoder"),
+        ("prompt_embeds",),
+        _unet_guidance,
+    ),
+    _Encoding(
+        ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline"),
+        _CLIP_T5,  # the T5 (text_encoder_3) may be None: SD3 pads with zeros
+        ("prompt_embeds", "pooled_prompt_embeds"),
+        _sd3_guidance,
+    ),
+    _Encoding(
+        ("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline"),
+        _CLIP_T5,
+        ("prompt_embeds", "pooled_prompt_embeds"),
+        _flux_true_cfg,
+    ),
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(cls: type) -> inspect.Signature | None:
+    try:
+        return inspect.signature(cls.__call__)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bound(pipe: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments by name, defaults filled in; ``None`` where they do not bind (diffusers' own error)."""
+    signature = _signature(type(pipe))
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind_partial(pipe, *args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _listed(names: list[str] | tuple[str, ...], last: str) -> str:
+    """``a, b and c`` (``last``: the word before the last name)."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
+def _missing_encoder(pipe: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why this call would fail inside ``encode_prompt`` for want of a tokenizer or text encoder the pipeline was loaded
+    without (``text_encoder_2=None`` to save memory), or ``None``: it encodes a prompt only where ``prompt=`` is given
+    without ``prompt_embeds``, or where guidance needs a negative prompt it is not given embeddings of
+    (:data:`_ENCODINGS`). A pipeline without its encoders runs calls that pass precomputed embeddings, as diffusers does.
+    """
+    names = [c.__name__ for c in type(pipe).__mro__]
+    rule = next((r for n in names for r in _ENCODINGS if n in r.pipelines), None)
+    if rule is None:
+        return None
+    missing = [n for n in rule.needs if getattr(pipe, n, None) is None]
+    if not missing:
+        return None
+    call = _bound(pipe, args, kwargs)
+    if call is None:
+        return None
+    pipeline = type(pipe).__name__
+    lost, uses = _listed(missing, "or"), _listed(rule.needs, "and")
+    loaded = ", ".join(f"{n}=None" for n in missing)
+    if call.get("prompt") is not None and call.get("prompt_embeds") is None:
+        passed = " and ".join(f"{e}=" for e in rule.embeds)
+        return (
+            f"torchfix: {pipeline}(prompt={call['prompt']!r}) would encode the prompt with {uses}, but the pipeline has no "
+            f"{lost} (it was loaded with {loaded}): the call would fail inside encode_prompt. Pass {passed} instead of prompt= "
+            f"(made by pipe.encode_prompt with the text encoders loaded), or load the pipeline with its {_listed(missing, 'and')}."
+        )
+    why = rule.negative(pipe, call)
+    if why is None:
+        return None
+    passed = " and ".join(f"negative_{e}=" for e in rule.embeds)
+    off = "true_cfg_scale=1 (no true CFG)" if rule.negative is _flux_true_cfg else "guidance_scale=1 (no guidance)"
+    zeros = config_value(pipe, "force_zeros_for_empty_prompt") is True and call.get("negative_prompt") is not None
+    leave = ", leave negative_prompt out (force_zeros_for_empty_prompt then makes zeros of it)" if zeros else ""
+    return (
+        f"torchfix: {pipeline} with {why} would encode the negative prompt with {uses}, but the pipeline has no {lost} "
+        f"(it was loaded with {loaded}): the call would fail inside encode_prompt. Pass {passed} as well{leave}, or {off}."
+    )
+
+
 def _resolution_error(pipe: Any, kwargs: dict[str, Any]) -> str | None:
     """Why an SD3-family or Flux-ControlNet call's height/width would fail deep inside, or ``None``.
 
@@ -241,6 +392,17 @@ def _handover_hook(name: str, mode: str) -> Any:
         return args, kwargs
 
     return cast_handover
+
+
+def _encode_hook(pipe: Any, original: Any) -> Any:
+    """``pipe.encode_prompt`` for one wrapped call: what it returns, with the prompt embeddings in the dtype the
+    denoiser reads them in where torch would reject theirs (:func:`torchfix.preflight.embeddings_for_denoiser`)."""
+
+    @functools.wraps(original)
+    def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+        return preflight.embeddings_for_denoiser(pipe, original(*args, **kwargs), op="torchfix.wrap")
+
+    return encode_prompt
 
 
 def _finite_hook(path: str, mode: str) -> Any:
@@ -378,11 +540,12 @@ class PipelineProxy(wrapt.ObjectProxy):
 
     # --- calls -----------------------------------------------------------------------------
 
-    def _check_call(self, kwargs: dict[str, Any]) -> None:
+    def _check_call(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Arguments that cannot make a picture (sizes or steps below 1) and precomputed embeddings of another model
         are refused before anything runs, naming the argument or both widths; so is a
-        T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently), and a height or
-        width that an SD3/Flux ControlNet pipeline cannot cut into patches."""
+        T5 ``max_sequence_length`` longer than the T5 tokenizer's limit (it would be cut silently), a height or
+        width that an SD3/Flux ControlNet pipeline cannot cut into patches, and a call that would encode a prompt
+        with a text encoder the pipeline was loaded without."""
         pipe = self.__wrapped__
         _check_arguments(type(pipe).__name__, kwargs)
         resolution = _resolution_error(pipe, kwargs)
@@ -412,6 +575,9 @@ class PipelineProxy(wrapt.ObjectProxy):
                         f"expects {width} ({source}). The embeddings were likely made by another model (e.g. {likely}); "
                         "encode the prompt again with this pipeline (pipe.encode_prompt) or pass prompt= instead."
                     )
+        missing = _missing_encoder(pipe, args, kwargs)
+        if missing is not None:
+            raise InvalidCallError(missing)
 
     def _sync_state(self) -> None:
         if self._self_fingerprint != self._fingerprint():
@@ -460,7 +626,7 @@ class PipelineProxy(wrapt.ObjectProxy):
                 return self.__wrapped__(*args, **kwargs)
         self._sync_state()
         self._raise_on_findings()
-        self._check_call(kwargs)
+        self._check_call(args, kwargs)
         s = self._self_settings
         learn: list[tuple[Any, str, Any]] | None = [] if mode in ("fix", "warn") and not self._self_learned else None
         token = _context.param_casts.set(learn)
@@ -499,12 +665,18 @@ class PipelineProxy(wrapt.ObjectProxy):
 
     # --- during one call ---------------------------------------------------------------------
 
-    def _call_hooks(self, mode: str) -> list[HookHandle]:
+    def _call_hooks(self, mode: str) -> list[HookHandle | AttrHandle]:
         """Hooks that live for one wrapped call only (another pipeline sharing a component never sees
-        them): hand-overs cast to the receiver's dtype, the stale-state check of a diffusers cache on a denoiser
-        (:func:`torchfix.patches.libraries.watch_cache`), and the VAE's non-finite check."""
-        modules = _modules(self.__wrapped__)
-        hooks = []
+        them): the prompt embeddings handed over in the denoiser's dtype where torch would reject theirs (the
+        pipeline's ``encode_prompt``, on this instance only), hand-overs cast to the receiver's dtype, the
+        stale-state check of a diffusers cache on a denoiser (:func:`torchfix.patches.libraries.watch_cache`), and
+        the VAE's non-finite check."""
+        pipe = self.__wrapped__
+        modules = _modules(pipe)
+        hooks: list[HookHandle | AttrHandle] = []
+        encode = getattr(pipe, "encode_prompt", None)
+        if callable(encode) and preflight.text_reader(pipe) is not None:
+            hooks.append(set_attr(pipe, "encode_prompt", _encode_hook(pipe, encode)))
         if mode in ("fix", "warn"):
             for name in ("unet", "transformer"):
                 if name in modules:

@@ -3,6 +3,8 @@ feeds it, before step 0, by config alone (no tensor is touched). ``torchfix.wrap
 under plain ``import torchfix`` it runs when a pipeline starts its denoising loop (the encoders have run, no step
 has), once per set of components. Which widths a denoiser reads is its family's registry entry
 (:class:`torchfix.families.Width`); which side models read what lives in :mod:`torchfix.families.entries`.
+Beside the widths, the prompt embeddings' dtype: :func:`embeddings_for_denoiser` hands them to the denoiser in its
+dtype where torch would reject theirs, before the pipeline draws its noise in their dtype.
 
 >>> from torchfix.testing import tiny_sd15_pipeline
 >>> conditioning(tiny_sd15_pipeline())  # doctest: +SKIP
@@ -11,13 +13,17 @@ has), once per set of components. Which widths a denoiser reads is its family's 
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 import torch
 
-from . import families
+from . import _context, _frames, _model, _warn, families
 from ._frames import uncompiled
+from ._report import FixEvent, report
+from ._text import dtype_name
+from .errors import DtypeMismatchError
 from .families import DENOISERS, config_int, main_denoiser
 from .families.entries import (
     CONDITIONING_WEIGHTS,
@@ -31,7 +37,17 @@ from .families.entries import (
 )
 from .guards.plan import Finding
 
-__all__ = ["component_width", "conditioning", "denoiser", "expected_widths", "finding", "refusal"]
+__all__ = [
+    "NOISE_IN_EMBEDDINGS_DTYPE",
+    "component_width",
+    "conditioning",
+    "denoiser",
+    "embeddings_for_denoiser",
+    "expected_widths",
+    "finding",
+    "refusal",
+    "text_reader",
+]
 
 
 def finding(component: str, problem: str, fix: str, applied: bool = False, kind: str = "dtype") -> Finding:
@@ -83,9 +99,16 @@ def _text_encoder_findings(pipe: Any) -> list[Finding]:
         kind = "output" if width.what == "text" else "pooled"
         if not feeds:
             if width.required and all(getattr(pipe, n, None) is None for n in width.feeds):
-                problem = f"{name} takes {width.what} embeddings ({expected[1]}), but there is no {' or '.join(width.feeds)}"
-                fix = f"use the {family.title} pipeline with its {' and '.join(width.feeds)}"
-                findings.append(finding(name, problem, fix, kind="model"))
+                # Dropped to save memory, the embeddings computed beforehand (a documented diffusers pattern): only a call
+                # that would encode a prompt needs it, and torchfix.wrap refuses such a call before it runs.
+                problem = f"{name} takes {width.what} embeddings ({expected[1]}), and there is no {' or '.join(width.feeds)}"
+                key = "prompt_embeds" if width.what == "text" else f"{width.what}_prompt_embeds"
+                fix = (
+                    f"nothing to do for calls that pass precomputed {key} (and negative ones under "
+                    f"guidance); a call that would encode a prompt needs the {family.title} pipeline's "
+                    f"{' and '.join(width.feeds)}, and is refused before it runs"
+                )
+                findings.append(Finding("model", problem, fix, advisory=True, component=name))
             continue
         total = sum(w for _, w in feeds)
         if total == expected[0] or (width.padded and total < expected[0]):
@@ -98,20 +121,37 @@ def _text_encoder_findings(pipe: Any) -> list[Finding]:
     return findings
 
 
-def _weights_width(model: torch.nn.Module, entry: str) -> tuple[int, str] | None:
-    """The width ``model``'s weights read the conditioning at for config ``entry`` (:data:`CONDITIONING_WEIGHTS`),
-    with where it was read; ``None`` where no such layer is found."""
+def _linear(module: Any) -> torch.nn.Linear | None:
+    """``module`` where it is a ``Linear``, else the ``Linear`` a peft LoRA layer wraps (its ``base_layer``, which reads
+    the input as it comes), else ``None``."""
+    if isinstance(module, torch.nn.Linear):
+        return module
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, torch.nn.Linear) else None
+
+
+def _reader(model: torch.nn.Module, entry: str) -> tuple[str, torch.nn.Linear] | None:
+    """The layer of ``model`` that reads the conditioning of config ``entry`` (:data:`CONDITIONING_WEIGHTS`), with its
+    path; ``None`` where no such ``Linear`` (or LoRA-wrapped ``Linear``) is found."""
     for path in CONDITIONING_WEIGHTS.get(entry, ()):
         if path.startswith("*"):
-            found = next(((n, m) for n, m in model.named_modules() if n.endswith(path[1:]) and isinstance(m, torch.nn.Linear)), None)
+            found = next(((n, m) for n, m in model.named_modules() if n.endswith(path[1:]) and _linear(m) is not None), None)
         else:
             try:
                 found = (path, model.get_submodule(path))
             except AttributeError:
                 found = None
-        if found is not None and isinstance(found[1], torch.nn.Linear):
-            return found[1].in_features, f"{found[0]}.in_features"
+        layer = None if found is None else _linear(found[1])
+        if layer is not None:
+            return found[0], layer
     return None
+
+
+def _weights_width(model: torch.nn.Module, entry: str) -> tuple[int, str] | None:
+    """The width ``model``'s weights read the conditioning at for config ``entry`` (:data:`CONDITIONING_WEIGHTS`),
+    with where it was read; ``None`` where no such layer is found."""
+    found = _reader(model, entry)
+    return None if found is None else (found[1].in_features, f"{found[0]}.in_features")
 
 
 def _reads(model: torch.nn.Module, entry: str, *, weights_only: bool = False) -> tuple[int, str] | None:
@@ -283,3 +323,140 @@ def refusal(pipe: Any) -> str | None:
     except TypeError:
         pass
     return text
+
+
+# --- the prompt embeddings' dtype, before the noise is drawn -----------------------------------------------------
+
+# Families whose pipelines draw the initial noise in the prompt embeddings' dtype and hand the embeddings and the
+# latents to the denoiser as they are (diffusers 0.42.1: ``prepare_latents(..., prompt_embeds.dtype, ...)`` in the
+# SD/SDXL, SD3, Flux and PixArt pipelines). Sana's draw in float32 and cast both at the call: they run plainly.
+NOISE_IN_EMBEDDINGS_DTYPE = ("unet", "sd3", "flux", "pixart")
+# Of those, the families whose encode_prompt hands precomputed prompt_embeds on as given (SD/SDXL and PixArt cast them
+# to their text encoder's dtype: there only the encoder's dtype decides).
+_EMBEDS_AS_GIVEN = ("sd3", "flux")
+_TEXT_ENTRIES = tuple(entry for entry, what in SHARED_CONDITIONING if what == "text")
+
+
+def text_reader(pipe: Any) -> tuple[str, torch.nn.Linear] | None:
+    """The denoiser layer that reads the prompt embeddings (``transformer.context_embedder``, a UNet's first
+    ``attn2.to_k``), with its path from the pipeline, where the family's pipelines draw their noise in the
+    embeddings' dtype (:data:`NOISE_IN_EMBEDDINGS_DTYPE`); ``None`` elsewhere."""
+    found = denoiser(pipe)
+    if found is None or found[1].name not in NOISE_IN_EMBEDDINGS_DTYPE:
+        return None
+    model = uncompiled(getattr(pipe, found[0]))
+    for entry in _TEXT_ENTRIES:
+        layer = _reader(model, entry)
+        if layer is not None:
+            return f"{found[0]}.{layer[0]}", layer[1]
+    return None
+
+
+def _stray_embeddings(result: Any, width: int, target: torch.dtype) -> list[int]:
+    """Where in ``result`` (what ``encode_prompt`` returned) prompt embeddings of another floating dtype than ``target``
+    lie: 3-d tensors of the width the denoiser reads, outside autocast (under which torch takes the mix)."""
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    return [
+        i
+        for i, t in enumerate(items)
+        if isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dim() == 3
+        and t.shape[-1] == width
+        and t.dtype != target
+        and not torch.is_autocast_enabled(t.device.type)
+    ]
+
+
+def _replaced(result: Any, cast: dict[int, torch.Tensor]) -> Any:
+    if isinstance(result, torch.Tensor):
+        return cast[0]
+    items = [cast.get(i, t) for i, t in enumerate(result)]
+    if isinstance(result, tuple) and hasattr(result, "_fields"):  # a namedtuple
+        return type(result)(*items)
+    return type(result)(items)
+
+
+def _producers(pipe: Any, target: torch.dtype) -> list[tuple[str, torch.dtype]]:
+    """The text encoders feeding the prompt embeddings (the family's ``text`` widths) whose own dtype is not ``target``."""
+    found = denoiser(pipe)
+    feeds = [] if found is None else [n for w in found[1].widths if w.what == "text" for n in w.feeds]
+    out = []
+    for name in dict.fromkeys(feeds):
+        module = getattr(pipe, name, None)
+        own = _model.model_dtype(module) if isinstance(module, torch.nn.Module) else None
+        if own is not None and own != target:
+            out.append((name, own))
+    return out
+
+
+def _in_own_call(pipe: Any, depth: int = 64) -> bool:
+    """Whether ``pipe``'s own ``__call__`` is running (its frame's ``self`` is ``pipe``): there its next step draws the
+    noise from what ``encode_prompt`` returned; an ``encode_prompt`` called by the user is theirs to keep as it is."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__call__" and frame.f_locals.get("self") is pipe:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def embeddings_for_denoiser(pipe: Any, result: Any, *, op: str) -> Any:
+    """``result`` (what ``pipe.encode_prompt`` returned) with its prompt embeddings in the dtype the denoiser reads them
+    in, where torch would reject theirs: the maintainers' fix (diffusers#9677: the encoder output cast to the
+    denoiser's dtype), made where the encoders hand them over, so that the pipeline draws its initial noise in that
+    dtype too and a seed gives the picture the fixed pipeline gives (torch 2.11's CPU ``randn`` in bf16 is not its
+    fp32 draw rounded). Only inside the pipeline's own call (an ``encode_prompt`` the user calls returns what it
+    returns), where the settings in force fix dtypes (``strict``: a :class:`torchfix.DtypeMismatchError` naming the
+    encoders and the fix instead), and where the pipeline would crash plainly (its family hands the embeddings to the
+    denoiser as they are: :func:`text_reader`; no autocast); a plain, correct pipeline's embeddings already have that
+    dtype and pass untouched.
+
+    >>> from torchfix.testing import tiny_sd15_pipeline
+    >>> embeddings_for_denoiser(tiny_sd15_pipeline(), (None, None), op="torchfix")  # doctest: +SKIP
+    (None, None)
+    """
+    settings = _context.current()
+    if not settings.active or not settings.dtype_on or settings.dtype is not None or torch.compiler.is_compiling():
+        return result  # off, the dtype guard off, or the caller chose the dtype mixes run in: theirs
+    found = text_reader(pipe)
+    target = _model.pipeline_dtype(pipe)
+    if found is None or target is None or _model.layer_dtype(found[1]) != target:
+        return result  # a reading layer kept in another precision, or quantized: the guards decide at the layer
+    path, layer = found
+    stray = _stray_embeddings(result, layer.in_features, target)
+    if not stray or not _in_own_call(pipe):
+        return result
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    given = ", ".join(sorted({dtype_name(items[i].dtype) for i in stray}))
+    made = _producers(pipe, target)
+    names = " and ".join(n for n, _ in made)
+    to = dtype_name(target)
+    load = f"load {names} in torch.{to} (pipe.{made[0][0]}.to(torch.{to}))" if made else ""
+    family = denoiser(pipe)
+    if family is not None and family[1].name in _EMBEDS_AS_GIVEN:
+        passed = f"pass prompt_embeds=pipe.encode_prompt(...)[0].to(torch.{to}) (diffusers#9677)"
+        kept = ", ".join(sorted({dtype_name(d) for _, d in made}))
+        fix = f"keep {names} in {kept} if you meant to and {passed}, or {load}" if made else f"{passed}"
+    else:
+        fix = load or f"load the text encoders in torch.{to}"
+    source = f" ({', '.join(f'{n} is {dtype_name(d)}' for n, d in made)})" if made else ""
+    if settings.mode == "strict":
+        raise DtypeMismatchError(
+            f"torchfix: {type(pipe).__name__}.encode_prompt returned prompt embeddings in {given}{source}, but {path} reads "
+            f"them in {to}: torch rejects the mix, and the pipeline would draw its initial noise in {given}. To fix: {fix}."
+        )
+    cast = {i: items[i].to(target) for i in stray}
+    site = _frames.call_site(2)
+    detail = (
+        f"{len(stray)} prompt embedding tensor(s) from encode_prompt in {given}{source} → {to} before the noise is drawn "
+        f"(rule: the denoiser's dtype; {path} reads them in {to}, torch would reject {given}, and the pipeline draws its "
+        "initial noise in the embeddings' dtype)"
+    )
+    nbytes = sum(t.numel() * t.element_size() for t in cast.values())
+    report().add(FixEvent(op, "dtype", "cast", site, path, detail, change=f"{given}→{to}", nbytes=nbytes))
+    if settings.mode == "warn":
+        _warn.once(("embeddings", type(pipe).__name__, given, to), f"{op}: {detail}. To fix it for good: {fix}.", site=site)
+    return _replaced(result, cast)
