@@ -116,6 +116,7 @@ def test_a_failed_install_counts_nothing_and_leaves_nothing_installed(monkeypatc
         raise RuntimeError("cannot build the wrapper")
 
     monkeypatch.setattr(PATCHES[3], "_make", broken)
+    monkeypatch.setattr(PATCHES[3], "_built", None)  # no wrapper kept from an earlier install: this one must be built
     with pytest.raises(RuntimeError, match="cannot build"):
         torchfix.enable()
     assert patches.installed() == [] and _state._holders == 0 and _context.get_global() is OFF

@@ -10,6 +10,8 @@ on torch. The rules, learned from wrapt's ``patches.py``:
 * Removal is by handle: if someone patched the attribute again after us, we do
   not tear their wrapper out from under them; ours goes passive (it calls
   straight through once torchfix is off) and a warning says so.
+* A wrapper is built once per original: installing again over the same original reuses it (entering
+  and leaving ``torchfix.enabled()`` costs a ``setattr`` per attribute, not a build of every wrapper).
 * Never a wrapper over a wrapper: installing a patch that is already installed
   is a no-op, and so is installing it again while a wrapper someone put over
   ours (left in place by a removal) still calls ours: ours is active again
@@ -80,6 +82,7 @@ class Patch:
         self.wrapper: Any = None  # ours; kept while it lives on inside someone else's wrapper
         self._raw: Any = _MISSING  # the owner's own __dict__ entry, if it had one
         self._on = False
+        self._built: tuple[Any, Any] | None = None  # (original, the wrapper made from it), reused by the next install
 
     @property
     def installed(self) -> bool:
@@ -95,8 +98,12 @@ class Patch:
             return
         self._raw = vars(self.owner).get(self.name, _MISSING)
         self.original = current
-        wrapper = self._make(self.original)
-        wrapper.__torchfix_patch__ = self
+        if self._built is not None and self._built[0] is current:
+            wrapper = self._built[1]  # the same original as last time: the same wrapper (an install costs a setattr)
+        else:
+            wrapper = self._make(self.original)
+            wrapper.__torchfix_patch__ = self
+            self._built = (current, wrapper)
         setattr(self.owner, self.name, wrapper)
         self.wrapper, self._on = wrapper, True
         log.debug("torchfix: patched %s", self.label)
