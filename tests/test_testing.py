@@ -68,3 +68,14 @@ def test_flops_equal_torchs_flop_counter_on_the_demos_pipelines():
         assert testing.flops(generate) == counted(generate) > 0
     finally:
         torchfix.deepcache.remove(pipe)
+
+
+def test_the_t5_tokenizer_builds_offline_with_the_same_ids_on_every_transformers():
+    """transformers 4.57's ``T5Tokenizer`` needs a sentencepiece file, 5.x's builds from a vocabulary: the builder
+    gives one tokenizer on both (these ids are 5.x's ``T5Tokenizer(vocab=...)``'s)."""
+    tokenizer = testing.t5_tokenizer()
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    assert len(tokenizer) == testing.tiny_t5_encoder().config.vocab_size
+    assert tokenizer("a cat").input_ids == [39, 3, 39, 5, 3, 22, 1]  # ▁ a ▁ c a t </s>
+    assert tokenizer("A cat!", padding="max_length", max_length=8).input_ids == [39, 2, 39, 5, 3, 22, 2, 1]  # unknowns: <unk>
+    assert tokenizer.batch_decode(tokenizer(["a cat"]).input_ids, skip_special_tokens=True) == ["a cat"]

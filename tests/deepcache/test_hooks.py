@@ -81,3 +81,31 @@ def test_composes_with_a_diffusers_cache_on_a_transformer():
     torchfix.deepcache.remove(pipe)
     assert registry(pipe.transformer) is not None and registry(pipe.transformer).get_hook(HOOK_NAME) is None
     assert torch.equal(latents(pipe, steps=6), pab_only)  # PAB's hooks are untouched
+
+
+def test_blocks_and_models_under_other_hooks_are_read_by_their_own_signature():
+    """diffusers before 0.40 points a hooked module's ``forward`` at its hook's ``new_forward(module, *args,
+    **kwargs)``: torchfix reads the parameters beneath the registry's hooks (else a hooked block "takes no
+    hidden_states" and the cache refuses it), on every release."""
+    import inspect
+
+    from torchfix.patches.instance import forward_source
+    from torchfix.testing.families import FAMILIES, denoise
+
+    class Passing(hooks.ModelHook):
+        def new_forward(self, module, *args, **kwargs):
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+    tiny = FAMILIES["flux"]
+    model = tiny.build()
+    ref = denoise(model, tiny).latents
+    for module in (model, model.transformer_blocks[0]):
+        hooks.HookRegistry.check_if_exists_or_initialize(module).register_hook(Passing(), "passing")
+        own = list(inspect.signature(type(module).forward).parameters)[1:]  # less self
+        assert list(inspect.signature(forward_source(module)).parameters) == own
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=1))  # refused before, on diffusers < 0.40
+    try:
+        assert torch.equal(denoise(model, tiny).latents, ref)
+        assert torchfix.deepcache.stats(model)["full_steps"] > 0
+    finally:
+        torchfix.deepcache.remove(model)

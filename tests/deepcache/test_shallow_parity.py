@@ -123,3 +123,32 @@ def test_freeu_is_applied_in_cached_steps_as_the_unet_does():
         finally:
             torchfix.deepcache.remove(unet)
     assert torch.equal(cached, plain)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.0])
+def test_a_lora_scale_reaches_the_cached_step_as_the_unets_own_forward_takes_it(scale):
+    """``cross_attention_kwargs={"scale": s}`` scales the PEFT LoRA layers in the cached step as the installed UNet's
+    forward does (diffusers 0.37+ by its ``apply_lora_scale`` decorator, 0.35 and 0.36 inline), and the layers are
+    left unscaled after it."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    unet = _unet({})
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False))
+    x, ehs = torch.randn(1, 4, 9, 7), _ehs()
+    kwargs = {"cross_attention_kwargs": {"scale": scale}}
+    with torch.no_grad():
+        plain, unscaled = unet(x, 500, ehs, **kwargs).sample, unet(x, 500, ehs).sample
+        assert not torch.equal(plain, unscaled)  # the scale matters here
+        torchfix.deepcache.apply(unet, DeepCacheConfig(interval=2, warm_up=False, branch=1))
+        try:
+            torchfix.deepcache.new_call(unet)
+            unet(x, 500, ehs, **kwargs)
+            cached = unet(x, 500, ehs, **kwargs).sample
+            assert torchfix.deepcache.stats(unet)["cached_steps"] == 1
+        finally:
+            torchfix.deepcache.remove(unet)
+        after = unet(x, 500, ehs).sample
+    assert torch.equal(cached, plain)
+    assert torch.equal(after, unscaled)  # the cached step put the layers' scale back
+    assert kwargs == {"cross_attention_kwargs": {"scale": scale}}  # the caller's dict is left as it was

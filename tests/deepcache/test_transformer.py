@@ -174,20 +174,26 @@ def test_torch_compile_needs_no_recompile_across_steps_or_generations():
 
 
 def test_latents_whose_dtype_changes_after_step_0_stay_one_generation():
-    """SD3 with a bf16 transformer and fp32 text encoders: the pipeline hands the transformer fp32 latents at step 0
-    and bf16 ones after. One call is one generation (before: two, and stats() reported 7 of 8 steps)."""
+    """SD3 with a bf16 transformer and fp32 text encoders under the guards (``torchfix.enabled()``; ``wrap()`` casts the
+    prompt embeddings to the transformer's dtype, so its latents are bf16 from the start): the pipeline hands the
+    transformer fp32 latents at step 0 and bf16 ones after. One call is one generation (before: two, and stats()
+    reported 7 of 8 steps)."""
     from torchfix.testing import latents, tiny_sd3_pipeline
 
     pipe = tiny_sd3_pipeline()
     pipe.transformer.to(torch.bfloat16)
     seen = []
     pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].dtype), with_kwargs=True)
-    w = torchfix.wrap(pipe, deepcache=torchfix.DeepCacheConfig(interval=3))
-    out = latents(w, "a cat", steps=8)
-    assert seen[0] == torch.float32 and set(seen[1:]) == {torch.bfloat16}
-    s = torchfix.deepcache.stats(pipe)
-    assert s["generations"] == 1
-    assert s["last_call"]["full_steps"] + s["last_call"]["cached_steps"] == 8 and s["last_call"]["cached_steps"] > 0
-    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
-    latents(w, "a cat", steps=8)  # the next call is a new generation, as before
-    assert torchfix.deepcache.stats(pipe)["generations"] == 2
+    torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=3))
+    try:
+        with torchfix.enabled():
+            out = latents(pipe, "a cat", steps=8)
+            assert seen[0] == torch.float32 and set(seen[1:]) == {torch.bfloat16}
+            s = torchfix.deepcache.stats(pipe)
+            assert s["generations"] == 1
+            assert s["last_call"]["full_steps"] + s["last_call"]["cached_steps"] == 8 and s["last_call"]["cached_steps"] > 0
+            assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+            latents(pipe, "a cat", steps=8)  # the next call is a new generation, as before
+            assert torchfix.deepcache.stats(pipe)["generations"] == 2
+    finally:
+        torchfix.deepcache.remove(pipe)

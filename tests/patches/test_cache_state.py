@@ -36,6 +36,18 @@ def _configs():
 
 
 CONFIGS = dict(_configs())
+# The caches diffusers 0.35 (the oldest torchfix claims) lacks: their config class and the release that added it.
+ADDED_IN = {"TaylorSeer": ("TaylorSeerCacheConfig", "0.36.0"), "MagCache": ("MagCacheConfig", "0.37.0")}
+
+
+def _skip_if_newer(name):
+    """Skip where the installed diffusers predates cache ``name`` (only there: a class missing from a release that
+    should have it fails the test)."""
+    from packaging.version import Version
+
+    cls, added = ADDED_IN.get(name, (None, None))
+    if cls is not None and not hasattr(diffusers, cls) and Version(diffusers.__version__) < Version(added):
+        pytest.skip(f"diffusers {diffusers.__version__} has no {cls} (added in diffusers {added})")
 
 
 def run(pipe, size, stop_at=None):
@@ -58,6 +70,7 @@ def cached(name):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_call_after_an_interrupted_one_runs_as_a_fresh_one_at_any_size(name):
+    _skip_if_newer(name)
     fresh = run(cached(name), 96)
     with torchfix.enabled():  # import torchfix (enable_cache called while torchfix is on: watched)
         pipe = cached(name)

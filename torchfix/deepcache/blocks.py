@@ -113,7 +113,7 @@ def analyse_transformer(model: torch.nn.Module) -> TransformerLayout:
                 f"entry expects {family.describe()}. This diffusers release may have changed the model."
             )
         for i, block in enumerate(blocklist):
-            params = inspect.signature(block.forward).parameters
+            params = inspect.signature(instance.forward_source(block)).parameters
             missing = [p for p in spec.inputs.values() if p not in params]
             if missing:
                 raise UnsupportedModelError(
@@ -169,7 +169,7 @@ def revise_off(model: torch.nn.Module, family: Family, config: DeepCacheConfig) 
     norm, proj = (getattr(model, name, None) for name in family.tail)
     if not (isinstance(norm, torch.nn.Module) and isinstance(proj, torch.nn.Module)):
         return f"no {' and '.join(family.tail)} output layers"
-    if len(inspect.signature(norm.forward).parameters) < 2:
+    if len(inspect.signature(instance.forward_source(norm)).parameters) < 2:
         return f"its {family.tail[0]} takes no conditioning"
     return None
 
@@ -287,7 +287,7 @@ class BlockState(engine.CacheState):
 
 def _reader(block: torch.nn.Module, spec: Blocks) -> Any:
     """``read(args, kwargs) -> tuple of the streams in spec.returns order`` without binding the whole signature."""
-    params = list(inspect.signature(block.forward).parameters)
+    params = list(inspect.signature(instance.forward_source(block)).parameters)
     where = [(spec.inputs[s], params.index(spec.inputs[s])) for s in spec.returns]
 
     def read(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -841,7 +841,7 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
 def _norm_hook(state_ref: weakref.ref[BlockState], norm: torch.nn.Module) -> Any:
     """A pre-hook on the output layers' norm: while verifying, what it gets (is it the last block's output?); on a
     cached step that will be revised, the conditioning it gets (a reference, no copy)."""
-    params = list(inspect.signature(norm.forward).parameters)
+    params = list(inspect.signature(instance.forward_source(norm)).parameters)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         state = state_ref()

@@ -259,11 +259,12 @@ def changed(tensor: torch.Tensor, mark: int | torch.Tensor | None) -> bool:
 
 
 def context_listener(state_ref: weakref.ref[CacheState]) -> Any:
-    """Keeps the ``cache_context`` name diffusers' pipelines set around each denoiser call (``None`` outside)."""
+    """Keeps the ``cache_context`` name diffusers' pipelines set around each denoiser call (``None`` outside): a
+    ``CacheContext`` whose ``name`` it is (diffusers 0.41+), or the name itself (before 0.41)."""
 
     def on_context(context: Any) -> None:
         state = state_ref()
         if state is not None:
-            state.context = getattr(context, "name", None)
+            state.context = context if context is None or isinstance(context, str) else getattr(context, "name", None)
 
     return on_context

@@ -14,6 +14,7 @@ round-trip, and nothing depends on a shape fixed at trace time.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -178,8 +179,33 @@ def shallow_forward(unet: Any, *args: Any, **kwargs: Any) -> Any:
     if not _lora_scaled:
         try:
             from diffusers.utils.peft_utils import apply_lora_scale
-        except ImportError:  # older diffusers scaled inline in forward, or not at all
-            _lora_scaled.append(_shallow)
+        except ImportError:  # diffusers before 0.37 scales inline in the UNet's forward: the same, here
+            _lora_scaled.append(_scaling_lora(_shallow))
         else:
             _lora_scaled.append(apply_lora_scale("cross_attention_kwargs")(_shallow))
     return _lora_scaled[0](unet, *args, **kwargs)
+
+
+def _scaling_lora(forward: Any) -> Any:
+    """What diffusers 0.37+'s ``apply_lora_scale("cross_attention_kwargs")`` does, for a diffusers that has no such
+    decorator (0.35, 0.36: its UNet forward does it inline): ``scale`` popped from a copy of
+    ``cross_attention_kwargs``, the PEFT LoRA layers scaled by it around the call, unscaled after (an error too)."""
+    from diffusers.utils import USE_PEFT_BACKEND, scale_lora_layers, unscale_lora_layers
+
+    @functools.wraps(forward)
+    def scaled(unet: Any, *args: Any, **kwargs: Any) -> Any:
+        lora_scale = 1.0
+        attention_kwargs = kwargs.get("cross_attention_kwargs")
+        if attention_kwargs is not None:
+            attention_kwargs = dict(attention_kwargs)
+            kwargs["cross_attention_kwargs"] = attention_kwargs
+            lora_scale = attention_kwargs.pop("scale", 1.0)
+        if USE_PEFT_BACKEND:
+            scale_lora_layers(unet, lora_scale)
+        try:
+            return forward(unet, *args, **kwargs)
+        finally:
+            if USE_PEFT_BACKEND:
+                unscale_lora_layers(unet, lora_scale)
+
+    return scaled

@@ -107,9 +107,11 @@ ROWS: tuple[LibraryIssue, ...] = (
         ),
         basis=(
             "found here with diffusers 0.42.1 and torch 2.13 (CPU wheel), 2026-11; no upstream report found in the "
-            "stored issues. ESTIMATE: the lower bound is 0.36.0, the first release with enable_parallelism; not fixed in 0.42.1"
+            "stored issues. The lower bound is read off the releases: 0.36.0 to 0.41.0 divide by "
+            "torch.get_device_module(accelerator type).device_count(), which is torch.cpu's 1 on a CPU build, and 0.42.0 "
+            "switched to torch.accelerator.device_count(); not fixed in 0.42.1"
         ),
-        version_min="0.36.0",
+        version_min="0.42.0",
         condition=cpu_build,
         condition_name="torch sees no accelerator",
     ),

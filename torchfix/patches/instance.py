@@ -9,6 +9,7 @@ inherited from the class is deleted again, not left as a copy).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,18 @@ from .._frames import hide
 from ..errors import TorchfixError
 from .core import leave_theirs
 
-__all__ = ["AttrHandle", "ForwardHandle", "HookHandle", "TensorHandle", "add_hook", "place", "set_attr", "swap_tensor", "wrap_forward"]
+__all__ = [
+    "AttrHandle",
+    "ForwardHandle",
+    "HookHandle",
+    "TensorHandle",
+    "add_hook",
+    "forward_source",
+    "place",
+    "set_attr",
+    "swap_tensor",
+    "wrap_forward",
+]
 
 _MISSING = object()
 
@@ -93,9 +105,47 @@ def _hook_registry() -> Any:
     return HookRegistry, ModelHook
 
 
+def _registry_wrapper(module: torch.nn.Module, fn: Any) -> bool:
+    """Whether ``fn`` is one of diffusers' ``HookRegistry`` forwards on ``module`` (a ``functools.partial`` of a hook's
+    forward with the module bound first)."""
+    return isinstance(fn, functools.partial) and fn.args[:1] == (module,)
+
+
+def forward_source(module: torch.nn.Module) -> Callable[..., Any]:
+    """The forward whose signature a call of ``module`` binds to. ``module.forward`` itself, unless it is (or wraps,
+    through ``__wrapped__`` links: accelerate's hooks) a forward of diffusers' ``HookRegistry``: diffusers before 0.40
+    points those at its own ``new_forward(module, *args, **kwargs)``, whose signature is not the model's (0.40+
+    points them at the forward beneath). Then the forward beneath the registry's hooks (they pass every argument
+    on), or the class's own forward bound to the module where the registry's bookkeeping names none.
+
+    >>> import inspect
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> list(inspect.signature(forward_source(lin)).parameters)
+    ['input']
+    """
+    forward = module.forward
+    registry = getattr(module, "_diffusers_hook", None)
+    refs = getattr(registry, "_fn_refs", None)
+    if not refs:
+        return forward
+    fn: Any = forward
+    for _ in range(64):
+        if _registry_wrapper(module, getattr(fn, "__func__", fn)) or _registry_wrapper(module, fn):
+            first = refs[0]
+            beneath = first.original_forward if first.original_forward is not None else first.forward
+            if beneath is None or _registry_wrapper(module, beneath):  # a hook removed from beneath left a stale link
+                return type(module).forward.__get__(module, type(module))
+            return beneath
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            break
+    return forward
+
+
 def _context_listener(on_context: Callable[[Any], None]) -> Any:
-    """An object diffusers' ``cache_context`` hands each call's context to (``None`` after the call): its
-    ``_set_cache_context`` finds every ``StateManager`` on a stateful hook. ``None`` where this diffusers has none."""
+    """An object diffusers' ``cache_context`` hands each call's context to (``None`` after the call): it finds every
+    ``StateManager`` on a stateful hook (0.41+: ``_set_cache_context``, a ``CacheContext``; before: the registry's
+    ``_set_context``, the context's name). ``None`` where this diffusers has none."""
     try:
         from diffusers.hooks.hooks import BaseState, StateManager
     except ImportError:
@@ -157,7 +207,7 @@ class ForwardHandle:
             _drop_entry(registry, self.name)
             _register(self.module, self.name, self.make, self.reset, self.on_context)
         else:
-            self.attr = set_attr(self.module, "forward", self.make(self.module.forward, self.module.forward))
+            self.attr = set_attr(self.module, "forward", self.make(self.module.forward, forward_source(self.module)))
         self.installed = vars(self.module).get("forward")
         self.reinstalls += 1
         return True
@@ -204,7 +254,7 @@ def _register(
     on_context: Callable[[Any], None] | None = None,
 ) -> None:
     registry_cls, model_hook = _hook_registry()
-    source = module.forward
+    source = forward_source(module)
 
     class _TorchfixHook(model_hook):  # type: ignore[misc, valid-type]
         _is_stateful = reset is not None or on_context is not None

@@ -131,12 +131,20 @@ def has_cache_state(model: torch.nn.Module) -> bool:
 def _reset(hooks: list[tuple[torch.nn.Module, Any]]) -> None:
     """What diffusers' ``_reset_stateful_cache`` does, for these hooks only, from inside a call: each state manager
     keeps the ``cache_context`` the pipeline set around this call (diffusers' reset clears it, meant for between calls)."""
-    managers = [v for _, hook in hooks for v in vars(hook).values() if hasattr(v, "set_context") and hasattr(v, "_context")]
-    contexts = [m._context for m in managers]
+    managers = [(v, attr) for _, hook in hooks for v in vars(hook).values() if (attr := _context_attr(v)) is not None]
+    contexts = [getattr(m, attr) for m, attr in managers]
     for owner, hook in hooks:
         hook.reset_state(owner)
-    for manager, context in zip(managers, contexts):
+    for (manager, _), context in zip(managers, contexts):
         manager.set_context(context)
+
+
+def _context_attr(value: Any) -> str | None:
+    """Where a diffusers ``StateManager`` keeps the current ``cache_context``: ``_context`` (a ``CacheContext``,
+    diffusers 0.41+), ``_current_context`` (its name, before 0.41); ``None`` for anything else."""
+    if not hasattr(value, "set_context"):
+        return None
+    return next((attr for attr in ("_context", "_current_context") if hasattr(value, attr)), None)
 
 
 def _cache_reset(

@@ -37,6 +37,7 @@ __all__ = [
     "tiny_text_encoder",
     "tiny_vae",
     "tiny_wan22_pipeline",
+    "wan_prompt_unavailable",
 ]
 
 TEXT_DIM = 32
@@ -133,11 +134,29 @@ _T5_PIECES = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def t5_tokenizer() -> Any:
-    """A T5 tokenizer over lowercase letters and digits, built in memory (no sentencepiece file)."""
-    from transformers import T5Tokenizer
+    """A T5 tokenizer over lowercase letters and digits, built in memory (no sentencepiece file): a Unigram
+    ``tokenizers.Tokenizer`` laid out as transformers 5's ``T5Tokenizer(vocab=...)`` lays it out (``<pad>`` 0,
+    ``</s>`` 1, ``<unk>`` 2, metaspace pre-tokenizer, ``</s>`` appended), handed to ``T5TokenizerFast``, which
+    takes a ready tokenizer on transformers 4.57 (whose ``T5Tokenizer`` needs a sentencepiece ``vocab_file``) and
+    5.x alike: the same ids on both.
+
+    >>> t5_tokenizer()("a cat").input_ids  # doctest: +SKIP
+    [39, 3, 39, 5, 3, 22, 1]
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from transformers import T5TokenizerFast
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(c, -1.0) for c in _T5_PIECES] + [("▁", -1.0)]
-    return T5Tokenizer(vocab=vocab, extra_ids=0)
+    backend = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)]
+    )
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    backend.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)]
+    )
+    return T5TokenizerFast(tokenizer_object=backend, extra_ids=0)
 
 
 @_own_rng
@@ -384,6 +403,19 @@ def tiny_wan22_pipeline(seed: int = 0, boundary_ratio: float | None = 0.5, layer
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def wan_prompt_unavailable() -> str | None:
+    """Why the installed diffusers' ``WanPipeline`` cannot take a text prompt here, or ``None``: before diffusers 0.37
+    its prompt cleaning calls ``ftfy`` unconditionally (a ``NameError`` where ftfy is not installed; 0.37 skips it)."""
+    import importlib.util
+
+    import diffusers
+    from packaging.version import Version
+
+    if importlib.util.find_spec("ftfy") is not None or Version(diffusers.__version__) >= Version("0.37.0"):
+        return None
+    return f"diffusers {diffusers.__version__}'s WanPipeline needs ftfy for a text prompt (optional from diffusers 0.37.0)"
 
 
 @_own_rng

@@ -23,9 +23,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
+__all__ = ["ADDED_IN", "FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
 
 Size = tuple[int, int]
+
+# The diffusers release that first exported each builder's class that diffusers 0.35 (the oldest torchfix claims)
+# lacks, read off each release's exports; on an older diffusers those builders are skipped with this reason.
+ADDED_IN = {
+    "BriaTransformer2DModel": "0.36.0",
+    "ChronoEditTransformer3DModel": "0.36.0",
+    "Flux2Transformer2DModel": "0.36.0",
+    "HunyuanVideo15Transformer3DModel": "0.36.0",
+    "Kandinsky5Transformer3DModel": "0.36.0",
+    "OvisImageTransformer2DModel": "0.36.0",
+    "SanaVideoTransformer3DModel": "0.36.0",
+    "ZImageTransformer2DModel": "0.36.0",
+    "LTX2VideoTransformer3DModel": "0.37.0",
+    "LongCatImageTransformer2DModel": "0.37.0",
+    "NucleusMoEImageTransformer2DModel": "0.38.0",
+    "JoyImageEditTransformer3DModel": "0.39.0",
+    "MotifVideoTransformer3DModel": "0.39.0",
+}
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,17 @@ class Tiny:
     @property
     def key(self) -> str:
         return self.name or self.family
+
+    def unavailable(self) -> str | None:
+        """Why the installed diffusers cannot build it (its class came in a later release, :data:`ADDED_IN`), or
+        ``None``. A class missing from a release that should have it is not a reason: :meth:`build` fails there."""
+        if self.build_with is not None:
+            return None
+        diffusers = importlib.import_module("diffusers")
+        added = ADDED_IN.get(self.model)
+        if hasattr(diffusers, self.model) or added is None or not _diffusers_below(added):
+            return None
+        return f"diffusers {diffusers.__version__} has no {self.model} (the {self.family!r} family; added in diffusers {added})"
 
     def build(self, seed: int = 0) -> torch.nn.Module:
         """The model with random weights (seeded; the caller's RNG is left as it was)."""
@@ -283,14 +312,26 @@ def _cogview_inputs(c: Call) -> dict[str, Any]:
     }
 
 
-def _qwen_inputs(c: Call) -> dict[str, Any]:
-    """Qwen-Image's and Nucleus-MoE's step: packed latents (16 channels), 8 text tokens 16 wide, the image shapes."""
-    return {
+def _diffusers_below(version: str) -> bool:
+    """Whether the installed diffusers is older than ``version``."""
+    from packaging.version import Version
+
+    return Version(importlib.import_module("diffusers").__version__) < Version(version)
+
+
+def _qwen_like(c: Call) -> dict[str, Any]:
+    """Qwen-Image's and Nucleus-MoE's step: packed latents (16 channels), 8 text tokens 16 wide, the image shapes
+    (and, before diffusers 0.37, each sample's text length ``txt_seq_lens``, which Qwen-Image needed then; 0.37
+    reads it from the mask and deprecates the argument, 0.39 drops it)."""
+    arguments = {
         "hidden_states": c.randn(c.batch, c.size[0] * c.size[1], 16),
         "encoder_hidden_states": _text(c, 8, 16),
         "encoder_hidden_states_mask": torch.ones(c.batch, 8, dtype=torch.long),
         "img_shapes": [(1, *c.size)] * c.batch,
     }
+    if _diffusers_below("0.37"):
+        arguments["txt_seq_lens"] = [8] * c.batch
+    return arguments
 
 
 _WAN = {
@@ -439,10 +480,10 @@ _TINY = [
             "guidance_embeds": False,
             "axes_dims_rope": (8, 4, 4),
         },
-        _qwen_inputs,
+        _qwen_like,
         scale=1.0,
         sizes=((4, 4), (6, 8)),
-        per_sample=("img_shapes",),
+        per_sample=("img_shapes", "txt_seq_lens"),
     ),
     Tiny(
         "hidream",
@@ -926,10 +967,10 @@ _TINY = [
             "moe_enabled": False,
             "capacity_factors": [8.0, 8.0],
         },
-        _qwen_inputs,
+        _qwen_like,
         scale=1.0,
         sizes=((4, 4), (6, 8)),
-        per_sample=("img_shapes",),
+        per_sample=("img_shapes", "txt_seq_lens"),
     ),
     Tiny(
         "joyimage",
