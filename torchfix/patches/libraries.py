@@ -287,11 +287,27 @@ def _watching_disable(original: Any) -> Any:
     return disable_cache
 
 
+def _handing_over(original: Any) -> Any:
+    """A pipeline's ``encode_prompt``: what it returns, with the prompt embeddings in the dtype the denoiser reads them in
+    where torch would reject theirs, before the pipeline draws its noise in their dtype
+    (:func:`torchfix.preflight.embeddings_for_denoiser`; a no-op where torchfix is off or the dtypes agree)."""
+
+    @functools.wraps(original)
+    def encode_prompt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if not _context.current().active:
+            return result
+        return preflight.embeddings_for_denoiser(self, result, op="torchfix")
+
+    return encode_prompt
+
+
 # patch label -> Patch, for the rows in force
 _PATCHES: dict[str, Patch] = {}
 _AUTOENCODERS = "diffusers.models.autoencoders."
 _CACHES = "diffusers.models.cache_utils"
 _PIPELINES = "diffusers.pipelines.pipeline_utils"
+_PIPELINE_MODULES = "diffusers.pipelines."
 
 
 def _version() -> str | None:
@@ -337,6 +353,10 @@ def _patch_module(name: str) -> None:
         _patch(owner, "_reset_stateful_cache", "diffusers CacheMixin._reset_stateful_cache", _marking_clean)
     if name == _PIPELINES:  # the import-mode preflight, and the cache row's loop-start reset (a no-op without its watch)
         _patch(getattr(module, "DiffusionPipeline", None), "progress_bar", "diffusers DiffusionPipeline.progress_bar", _fresh_loop)
+    if name.startswith(_PIPELINE_MODULES):  # each pipeline class that defines encode_prompt (its noise follows its output)
+        for cls in list(vars(module).values()):
+            if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("encode_prompt")):
+                _patch(cls, "encode_prompt", f"diffusers {cls.__name__}.encode_prompt", _handing_over)
     if name.startswith(_AUTOENCODERS) and _in_force(li.VAE_OVERFLOW):
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
@@ -344,7 +364,7 @@ def _patch_module(name: str) -> None:
 
 
 def _watched(name: str) -> bool:
-    return name in (_MODULE, _CACHES, _PIPELINES) or name.startswith(_AUTOENCODERS)
+    return name in (_MODULE, _CACHES, _PIPELINES) or name.startswith((_AUTOENCODERS, _PIPELINE_MODULES))
 
 
 # the watched modules seen loaded, and how many modules were loaded at the last look (a look is a scan of
@@ -417,5 +437,7 @@ def installed() -> list[str]:
     """Labels of the library patches in place (the autoencoders' ``decode`` patches as one)."""
     labels = [p.label for p in _PATCHES.values() if p.installed]
     decodes = [label for label in labels if label.endswith(".decode")]
-    rest = [label for label in labels if not label.endswith(".decode")]
-    return rest + ([f"diffusers <autoencoder>.decode ({len(decodes)} classes)"] if decodes else [])
+    encodes = [label for label in labels if label.endswith(".encode_prompt")]
+    rest = [label for label in labels if label not in decodes and label not in encodes]
+    grouped = [f"diffusers <autoencoder>.decode ({len(decodes)} classes)"] if decodes else []
+    return rest + grouped + ([f"diffusers <pipeline>.encode_prompt ({len(encodes)} classes)"] if encodes else [])

@@ -139,7 +139,13 @@ def try_kernel(
     """Run the call through torch.ops.torchfix.matmul when the routing policy says so;
     :data:`NOT_ROUTED` otherwise. Eager kernel errors come back as :class:`KernelFailure`
     for the caller to fall back on."""
-    moves = next((f for f in findings if f.guard == "device"), None)
+    # plain loops, not next(genexpr, None): torch 2.8's dynamo cannot trace the two-argument next() (a graph break)
+    moves = casts = None
+    for f in findings:
+        if f.guard == "device" and moves is None:
+            moves = f
+        elif f.guard == "dtype" and casts is None:
+            casts = f
     device_type = moves.actions[0].to.type if moves is not None else next(iter(bound.tensors.values())).device.type
     allowed = _allowed(settings.kernels, device_type) and device_type not in failed
     decision = routing.decide(spec.kind, device_type, findings, enabled=allowed, available=_available(device_type))
@@ -151,7 +157,6 @@ def try_kernel(
     if moves is not None:
         for action in moves.actions:
             apply(bound, action)
-    casts = next((f for f in findings if f.guard == "dtype"), None)
     if casts is not None:
         out_dtype = casts.actions[0].to
     else:
