@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchfix-installed
 PINS := torch==$(TORCH) $(if $(DIFFUSERS),diffusers==$(DIFFUSERS)) $(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
 
-.PHONY: demo test test-quick test-torch lint bench denoisers gpu-wheels gpu-check gpu-check-small clean
+.PHONY: demo test test-quick test-torch test-matrix lint bench denoisers gpu-wheels gpu-check gpu-check-small clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,16 @@ test-quick: $(STAMP)
 #   make test-torch TORCH=2.11.0
 #   make test-torch TORCH=2.8.0 DIFFUSERS=0.35.2 TRANSFORMERS=4.57.6
 test-torch: test-quick
+
+# The quick suite on every torch minor in setup.cfg's range, the oldest with the oldest diffusers/transformers claimed
+# (each in its venv: ~4-8 GB and 5-8 minutes apiece on 2 cores). CI runs the pinned torch and the oldest stack.
+MATRIX ?= 2.8.0:0.35.2:4.57.6 2.9.1 2.10.0 2.11.0 2.12.1 2.14.1
+test-matrix: test-quick
+	@set -e; for v in $(MATRIX); do \
+	  t=$${v%%:*}; rest=$${v#$$t}; d=$$(echo $$rest | cut -d: -f2); r=$$(echo $$rest | cut -d: -f3); \
+	  echo "== torch $$t $${d:+diffusers $$d }$${r:+transformers $$r}"; \
+	  $(MAKE) --no-print-directory test-torch TORCH=$$t $${d:+DIFFUSERS=$$d} $${r:+TRANSFORMERS=$$r}; \
+	done
 
 # The denoisers the cache benchmark measures on (three image models and a video one), trained here on
 # scikit-learn's digits (~1 CPU-hour);

@@ -56,3 +56,35 @@ def test_the_changelog_and_research_notes_live_outside_the_user_docs():
 def test_every_link_in_the_readme_resolves():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         assert (ROOT / target).exists(), target
+
+
+def test_the_claimed_versions_are_the_tested_ones():
+    """setup.cfg claims only what is tested (#48): every torch minor in its range is in `make test-matrix` (or is the
+    pinned one), CI runs the lower bounds together, and the README says the same range."""
+    import configparser
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    torch_spec = next(r.specifier for r in map(Requirement, cfg["options"]["install_requires"].split()) if r.name == "torch")
+    extras = {Requirement(line).name: Requirement(line).specifier for line in cfg["options.extras_require"]["diffusers"].split()}
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    matrix = re.search(r"^MATRIX \?= (.+)$", makefile, re.M).group(1).split()
+    pinned = re.search(r"^TORCH \?= (\S+)$", makefile, re.M).group(1)
+    tested = {Version(pinned)} | {Version(entry.split(":")[0]) for entry in matrix}
+    low, high = (Version(s.version) for s in sorted(torch_spec, key=lambda s: s.operator != ">="))
+    minors = {(v.major, v.minor) for v in tested}
+    assert all(v in torch_spec for v in tested), (tested, torch_spec)
+    assert minors == {(low.major, m) for m in range(low.minor, high.minor)}, (minors, torch_spec)
+    oldest = next(entry for entry in matrix if entry.startswith(f"{low.major}.{low.minor}."))
+    _, diffusers_low, transformers_low = oldest.split(":")
+    for name, version in (("diffusers", diffusers_low), ("transformers", transformers_low)):
+        spec = extras[name]
+        assert Version(version) in spec and not any(
+            Version(version).release[:2] > Version(s.version).release[:2] for s in spec if s.operator == ">="
+        ), (name, version, spec)
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"make test-torch TORCH={oldest.split(':')[0]} DIFFUSERS={diffusers_low} TRANSFORMERS={transformers_low}" in ci
+    assert f"torch {low.major}.{low.minor} to {high.major}.{high.minor - 1}" in README
