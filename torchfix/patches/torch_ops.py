@@ -346,15 +346,18 @@ def _addmm(spec: OpSpec, orig: Wrapper) -> Wrapper:
 
 
 def _linear(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """linear(input, weight, bias=None): a meta input or weight computes (a meta result, or a CPU
-    result with no data behind it); a meta bias raises."""
+    """linear(input, weight, bias=None), and the index ops: embedding(input, weight, ...), index_select and
+    gather(input, dim, index). Either of the first two tensors on the meta device computes (a meta result, or a CPU
+    result with no data behind it; torch checks an index's device only in an accelerator's kernels); a meta bias
+    raises."""
     dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
+    first, second = spec.tensor_positions[:2]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if dynamo() or compiler._is_compiling_flag:
             return general(args, kwargs)
         try:
-            look = args[0].is_meta or args[1].is_meta
+            look = args[first].is_meta or args[second].is_meta
         except _ODD:
             look = True
         if look or (rows[0] and screen(args, kwargs)):
@@ -423,42 +426,6 @@ def _attention(spec: OpSpec, orig: Wrapper) -> Wrapper:
         try:
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask") if kwargs else None
             look = mask is not None and mask.is_meta
-        except _ODD:
-            look = True
-        if look or (rows[0] and screen(args, kwargs)):
-            try:
-                return general(args, kwargs)
-            except Exception as exc:
-                hide(exc)
-                raise
-        try:
-            return orig(*args, **kwargs)
-        except Exception as exc:
-            settings = failed(exc, args, kwargs)
-            if settings is None:
-                hide(exc)
-                raise
-        try:
-            return slow(spec, orig, settings, args, kwargs)
-        except Exception as exc:
-            hide(exc)
-            raise
-
-    return wrapper
-
-
-def _index(spec: OpSpec, orig: Wrapper) -> Wrapper:
-    """embedding(input, weight, ...) / index_select and gather(input, dim, index): an integer index and the data it
-    reads. Either on the meta device computes in torch (a meta result, or a CPU result with no data behind it), and
-    torch checks devices only on an accelerator's kernels: both are read."""
-    dynamo, compiler, rows, general, failed, screen, slow = _prologue(spec, orig)
-    data, index = spec.tensor_positions
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if dynamo() or compiler._is_compiling_flag:
-            return general(args, kwargs)
-        try:
-            look = args[data].is_meta or args[index].is_meta
         except _ODD:
             look = True
         if look or (rows[0] and screen(args, kwargs)):
@@ -572,7 +539,7 @@ _TEMPLATES: dict[str, Callable[[OpSpec, Wrapper], Wrapper]] = {
     "norm": _norm,
     "linear": _linear,
     "conv": _conv,
-    "index": _index,
+    "index": _linear,
 }
 
 
