@@ -174,14 +174,15 @@ def test_torch_compile_needs_no_recompile_across_steps_or_generations():
 
 
 def test_latents_whose_dtype_changes_after_step_0_stay_one_generation():
-    """SD3 with a bf16 transformer and fp32 text encoders under the guards (``torchfix.enabled()``; ``wrap()`` casts the
-    prompt embeddings to the transformer's dtype, so its latents are bf16 from the start): the pipeline hands the
-    transformer fp32 latents at step 0 and bf16 ones after. One call is one generation (before: two, and stats()
-    reported 7 of 8 steps)."""
+    """SD3 with a bf16 transformer, fp32 text encoders and its context embedder kept in fp32 on purpose
+    (``torchfix.keep_dtype``: else the guards hand the prompt embeddings over in bf16, and the latents are bf16 from
+    the start): the pipeline hands the transformer fp32 latents at step 0 and bf16 ones after. One call is one
+    generation (before: two, and stats() reported 7 of 8 steps)."""
     from torchfix.testing import latents, tiny_sd3_pipeline
 
     pipe = tiny_sd3_pipeline()
     pipe.transformer.to(torch.bfloat16)
+    torchfix.keep_dtype(pipe.transformer.context_embedder.float())
     seen = []
     pipe.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].dtype), with_kwargs=True)
     torchfix.deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=3))
