@@ -38,7 +38,6 @@ from .families.entries import (
 from .guards.plan import Finding
 
 __all__ = [
-    "NOISE_IN_EMBEDDINGS_DTYPE",
     "component_width",
     "conditioning",
     "denoiser",
@@ -327,22 +326,18 @@ def refusal(pipe: Any) -> str | None:
 
 # --- the prompt embeddings' dtype, before the noise is drawn -----------------------------------------------------
 
-# Families whose pipelines draw the initial noise in the prompt embeddings' dtype and hand the embeddings and the
-# latents to the denoiser as they are (diffusers 0.42.1: ``prepare_latents(..., prompt_embeds.dtype, ...)`` in the
-# SD/SDXL, SD3, Flux and PixArt pipelines). Sana's draw in float32 and cast both at the call: they run plainly.
-NOISE_IN_EMBEDDINGS_DTYPE = ("unet", "sd3", "flux", "pixart")
-# Of those, the families whose encode_prompt hands precomputed prompt_embeds on as given (SD/SDXL and PixArt cast them
-# to their text encoder's dtype: there only the encoder's dtype decides).
-_EMBEDS_AS_GIVEN = ("sd3", "flux")
+# Which families' pipelines draw the initial noise in the prompt embeddings' dtype is their registry entry's
+# ``noise`` (SD/SDXL, SD3, Flux and PixArt in diffusers 0.42.1); of those, SD3's and Flux's encode_prompt hand
+# precomputed prompt_embeds on as given (SD/SDXL's and PixArt's cast them to their encoder's dtype).
 _TEXT_ENTRIES = tuple(entry for entry, what in SHARED_CONDITIONING if what == "text")
 
 
 def text_reader(pipe: Any) -> tuple[str, torch.nn.Linear] | None:
     """The denoiser layer that reads the prompt embeddings (``transformer.context_embedder``, a UNet's first
     ``attn2.to_k``), with its path from the pipeline, where the family's pipelines draw their noise in the
-    embeddings' dtype (:data:`NOISE_IN_EMBEDDINGS_DTYPE`); ``None`` elsewhere."""
+    embeddings' dtype (:attr:`torchfix.families.Family.noise`); ``None`` elsewhere."""
     found = denoiser(pipe)
-    if found is None or found[1].name not in NOISE_IN_EMBEDDINGS_DTYPE:
+    if found is None or not found[1].noise.startswith("embeddings"):
         return None
     model = uncompiled(getattr(pipe, found[0]))
     for entry in _TEXT_ENTRIES:
@@ -436,7 +431,7 @@ def embeddings_for_denoiser(pipe: Any, result: Any, *, op: str) -> Any:
     to = dtype_name(target)
     load = f"load {names} in torch.{to} (pipe.{made[0][0]}.to(torch.{to}))" if made else ""
     family = denoiser(pipe)
-    if family is not None and family[1].name in _EMBEDS_AS_GIVEN:
+    if family is not None and family[1].noise == "embeddings as given":
         passed = f"pass prompt_embeds=pipe.encode_prompt(...)[0].to(torch.{to}) (diffusers#9677)"
         kept = ", ".join(sorted({dtype_name(d) for _, d in made}))
         fix = f"keep {names} in {kept} if you meant to and {passed}, or {load}" if made else f"{passed}"

@@ -137,6 +137,7 @@ register(
             "StableDiffusionXLImg2ImgPipeline",
             "StableDiffusionControlNetPipeline",
         ),
+        noise="embeddings",
     )
 )
 
@@ -155,6 +156,7 @@ register(
             Width("pooled", "pooled_projection_dim", ("text_encoder", "text_encoder_2"), attr="projection_dim", label="CLIP"),
         ),
         pipelines=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3ControlNetPipeline"),
+        noise="embeddings as given",
     )
 )
 register(
@@ -170,6 +172,7 @@ register(
         ),
         packed=2,
         pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxKontextPipeline", "FluxControlNetPipeline"),
+        noise="embeddings as given",
     )
 )
 register(
@@ -227,6 +230,7 @@ register(
         blocks=(single("transformer_blocks"),),
         widths=(Width("text", "caption_channels", ("text_encoder",), label="T5"),),
         pipelines=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
+        noise="embeddings",
     )
 )
 register(

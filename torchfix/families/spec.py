@@ -69,6 +69,8 @@ def config_int(module: Any, entry: str) -> int | None:
 
 # Whose model classes an entry describes: diffusers' (run by its pipelines) or ComfyUI's (``comfy.ldm``).
 HOSTS = ("diffusers", "comfyui")
+# Where a family's pipelines take the initial noise's dtype from (Family.noise).
+NOISE = ("", "embeddings", "embeddings as given")
 
 # Arguments whose presence makes any denoiser call run in full: residuals added to blocks from outside
 # (ControlNets) and blocks skipped on purpose (SD3's skip-layer guidance). A cached step cannot honour them.
@@ -177,6 +179,11 @@ class Family:
         context: ``(bound forward arguments) -> str | None``: which guidance passes a call runs, where the host says
             it in an argument rather than by ``cache_context`` or a prompt object (ComfyUI's
             ``transformer_options["cond_or_uncond"]``); each distinct answer is a stream of its own.
+        noise: where its diffusers pipelines take the initial noise's dtype from: ``"embeddings"`` (the prompt
+            embeddings as ``encode_prompt`` returns them: ``prepare_latents(..., prompt_embeds.dtype, ...)``, and
+            the embeddings reach the denoiser as they are), ``"embeddings as given"`` (the same, and precomputed
+            ``prompt_embeds`` pass through ``encode_prompt`` uncast), or ``""`` (elsewhere: Sana draws in float32
+            and casts at the call). :func:`torchfix.preflight.embeddings_for_denoiser` reads it.
     """
 
     name: str
@@ -196,12 +203,15 @@ class Family:
     pipelines: tuple[str, ...] = ()
     host: str = "diffusers"
     context: Callable[[Mapping[str, Any]], str | None] | None = None
+    noise: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("transformer", "unet"):
             raise InvalidArgumentError(f"Family({self.name!r}).kind must be 'transformer' or 'unet', got {self.kind!r}.")
         if self.host not in HOSTS:
             raise InvalidArgumentError(f"Family({self.name!r}).host must be one of {HOSTS}, got {self.host!r}.")
+        if self.noise not in NOISE:
+            raise InvalidArgumentError(f"Family({self.name!r}).noise must be one of {NOISE}, got {self.noise!r}.")
         if self.kind == "transformer" and not self.blocks:
             raise InvalidArgumentError(f"Family({self.name!r}): a transformer family names at least one block list.")
 
