@@ -96,10 +96,11 @@ def _family(model: torch.nn.Module) -> families.Family:
         return family
     if hasattr(model, "down_blocks") or hasattr(model, "up_blocks"):
         analyse(model)  # names what a UNet-like model lacks
-    raise UnsupportedModelError(
-        f"torchfix.deepcache: {type(model).__name__} is not a model family torchfix knows, so it cannot tell which blocks "
-        f"to cache or what they return. Supported: {families.supported()}. To add a family: docs/families.md."
-    )
+        raise UnsupportedModelError(
+            f"torchfix.deepcache: {type(model).__name__} is not a model family torchfix knows, so it cannot tell which blocks "
+            f"to cache or what they return. Supported: {families.supported()}. To add a family: docs/families.md."
+        )
+    return families.resolve(model)  # a transformer's entry read off its code, or a clear refusal
 
 
 def _check_one(model: torch.nn.Module, config: DeepCacheConfig) -> Layout | TransformerLayout | comfy_unet.ComfyLayout:
@@ -266,6 +267,13 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
             remove(model)
         family = _family(model)
         filled = for_family(config, family)
+        if families.is_inferred(family):
+            log.info(
+                "torchfix.deepcache: %s has no registry entry; its blocks were read off its code (%s) and are checked on "
+                "its first call",
+                type(model).__name__,
+                family.describe(),
+            )
         if isinstance(layout, TransformerLayout):
             state: CacheState = apply_transformer(model, filled, layout)
         elif isinstance(layout, comfy_unet.ComfyLayout):

@@ -92,11 +92,11 @@ class TransformerLayout:
 
 
 def _family_of(model: torch.nn.Module) -> Family:
-    family = families.find(model)
-    if family is None or family.kind != "transformer":
+    family = families.resolve(model)  # the registry's entry, else one read off the model's code (verified at the first call)
+    if family.kind != "transformer":
         raise UnsupportedModelError(
-            f"torchfix.deepcache: {type(model).__name__} is not a model family torchfix knows, so it cannot tell which "
-            f"blocks to cache or what they return. Supported: {families.supported()}. To add a family: docs/families.md."
+            f"torchfix.deepcache: {type(model).__name__} is a {family.title} UNet, not a diffusion transformer whose blocks "
+            "form a chain."
         )
     return family
 
@@ -410,8 +410,9 @@ def _close_run(state: BlockState, last: _Seen | None) -> None:
 
 def _refuse(state: BlockState, model: Any, found: str) -> UnsupportedModelError:
     family, name = state.family, type(model).__name__ if model is not None else "the model"
+    entry = f"the entry read off its code ({family.name!r})" if families.is_inferred(family) else f"the registry entry {family.name!r}"
     return UnsupportedModelError(
-        f"torchfix.deepcache: {name}'s blocks do not behave as the registry entry {family.name!r} says, so caching them "
+        f"torchfix.deepcache: {name}'s blocks do not behave as {entry} says, so caching them "
         f"could compute garbage; nothing was cached. Found: {found}. The entry expects: {family.describe()}. "
         "Run it without DeepCache (torchfix.deepcache.remove); docs/families.md says how to describe a model."
     )
@@ -807,6 +808,8 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
             if slot.run < 0:
                 return original(*args, **kwargs)
             run = state.chain.runs[slot.run]
+            if mode in ("probe", "cached") and slot.first and _reshaped(state, slot.run, run, read(args, kwargs), spec):
+                mode = _restart(state, slot.run)  # the streams changed shape within the generation: full from here
             if mode == "probe":  # the first cached block: the features entering it decide
                 mode = engine.probe(state, read(args, kwargs)[spec.returns.index("image")])
             if mode == "cached":
@@ -836,6 +839,41 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
         return forward
 
     return make
+
+
+def _reshaped(state: BlockState, r: int, run: Run, now: tuple[Any, ...], spec: Blocks) -> bool:
+    """Whether the streams entering run ``r`` are shaped otherwise than what its last full step kept: a model whose
+    streams change shape within a generation (Qwen-Image 2.1's KV cache: the first step runs text and image tokens,
+    later steps the image's alone), or a guidance pass whose text length changed."""
+    kept = state.current.last(r) if state.current is not None else None
+    if kept is None:
+        return state.current is not None and state.current.reference is not None and r == 0 and (
+            state.current.reference.shape != now[spec.returns.index("image")].shape
+        )
+    entering = [now[spec.returns.index(s)] for s in run.streams]
+    return any(
+        isinstance(k, torch.Tensor) and isinstance(e, torch.Tensor) and k.shape != e.shape for k, e in zip(kept, entering)
+    )
+
+
+def _restart(state: BlockState, r: int) -> str:
+    """A cached step whose streams no longer fit what the cache kept runs in full from run ``r`` on, and the stream's
+    history starts again there: nothing kept at another shape is ever added to this one (the step counts as full
+    where it is the first run)."""
+    stream = state.current
+    for run in [k for k in stream.histories if k >= r]:
+        stream.histories.pop(run)
+    stream.sensitivity = {k: v for k, v in stream.sensitivity.items() if k[0] < r}
+    if r == 0:
+        stream.reference = None
+        stream.since_full.clear()
+        if state.mode == "cached":
+            state.cached_steps -= 1
+            stream.cached -= 1
+        engine.count_full(state, stream)
+    state.mode = "full"
+    log.info("torchfix.deepcache: %s: the streams changed shape within a generation; this step ran in full", state.family.name)
+    return "full"
 
 
 def _norm_hook(state_ref: weakref.ref[BlockState], norm: torch.nn.Module) -> Any:

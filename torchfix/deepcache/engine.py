@@ -184,6 +184,11 @@ def decide(state: CacheState, latents: Any, prompt: Any, arguments: dict[str, An
     return mode
 
 
+def count_full(state: CacheState, stream: Stream) -> None:
+    """Count the call in progress as a full step (a cached step that had to run in full)."""
+    _count(state, stream, True)
+
+
 def _count(state: CacheState, stream: Stream, full: bool) -> None:
     if full:
         state.full_steps += 1

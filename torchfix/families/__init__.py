@@ -1,11 +1,13 @@
 """The model families torchfix knows, as data: block signatures for the cache, conditioning widths for the
-wrapper's preflight, and the defaults measured per family (:mod:`torchfix.families.spec`).
+wrapper's preflight, and the defaults measured per family (:mod:`torchfix.families.spec`); for a denoiser the
+registry does not know, an entry read off its code (:mod:`torchfix.families.from_code`).
 
 >>> import torchfix.families as families
 >>> families.get("wan").describe()
 'blocks(hidden_states=image) -> image'
 """
 
+from .from_code import infer, is_inferred, resolve
 from .spec import (
     DENOISERS,
     FULL_ONLY,
@@ -20,6 +22,7 @@ from .spec import (
     names,
     register,
     supported,
+    unregister,
 )
 
 __all__ = [
@@ -32,8 +35,12 @@ __all__ = [
     "config_value",
     "find",
     "get",
+    "infer",
+    "is_inferred",
     "main_denoiser",
     "names",
     "register",
+    "resolve",
     "supported",
+    "unregister",
 ]

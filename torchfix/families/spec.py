@@ -40,6 +40,7 @@ __all__ = [
     "names",
     "register",
     "supported",
+    "unregister",
 ]
 
 # A pipeline's components that are denoisers, in the order they run (Wan 2.2: two experts on one scheduler).
@@ -255,6 +256,24 @@ def register(family: Family, *, replace: bool = False) -> Family:
             raise InvalidArgumentError(f"torchfix.families: {', '.join(clash)} already belongs to family {taken[clash[0]]!r}.")
     _REGISTRY[family.name] = family
     return family
+
+
+def unregister(name: str) -> Family:
+    """Take the family registered as ``name`` out of the registry (its models are then read off their code, or
+    refused); torchfix's own entries stay.
+
+    >>> from torchfix.families import Family, Blocks, register, unregister
+    >>> fam = register(Family("demo-gone", "A demo", ("GoneModel",), blocks=(Blocks("blocks", {"image": "x"}, ("image",)),)))
+    >>> unregister("demo-gone") is fam
+    True
+    """
+    _load()
+    if name in _BUILTIN:
+        raise InvalidArgumentError(f"torchfix.families: {name!r} is one of torchfix's own entries; register(..., replace=True) changes it.")
+    try:
+        return _REGISTRY.pop(name)
+    except KeyError:
+        raise UnknownNameError(f"torchfix.families: no family {name!r}; known: {', '.join(sorted(_REGISTRY))}.") from None
 
 
 def get(name: str) -> Family:

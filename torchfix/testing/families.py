@@ -179,6 +179,8 @@ def _update(latents: Any, output: Any, step: float) -> Any:
     if not isinstance(output, torch.Tensor) or output.dim() != latents.dim() or output.shape[2:] != latents.shape[2:]:
         return latents * (1.0 - step)
     channels = latents.shape[1]
+    if output.dim() == 3 and output.shape[::2] == latents.shape[::2] and output.shape[1] > latents.shape[1]:
+        return latents - step * output[:, -latents.shape[1] :]  # tokens [text | image]: the image's (Qwen-Image 2.1)
     if output.shape == latents.shape:
         return latents - step * output
     if output.shape[1] == 2 * channels:
@@ -1154,7 +1156,20 @@ _TINY = [
 ]
 
 
-FAMILIES: dict[str, Tiny] = {tiny.key: tiny for tiny in _TINY}
+def _day0() -> list[Tiny]:
+    """The builders of the denoisers the registry has no entry for (the cache reads theirs off their code:
+    :mod:`torchfix.families.from_code`), keyed ``auto:<class>``."""
+    from ._day0_image import TINY as image
+
+    found = list(image)
+    with contextlib.suppress(ImportError):
+        from ._day0_video import TINY as video
+
+        found += video
+    return found
+
+
+FAMILIES: dict[str, Tiny] = {tiny.key: tiny for tiny in [*_TINY, *_day0()]}
 
 
 def replace(tiny: Tiny, **changes: Any) -> Tiny:

@@ -1,0 +1,281 @@
+"""Entries read off a denoiser's code (torchfix.families.from_code): they agree with every hand-written entry, a model
+cached through one computes what it computes through the hand-written entry, and what cannot be read is refused
+at apply, naming what was found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchfix
+from torchfix import families
+from torchfix.families import from_code as inference
+
+pytest.importorskip("diffusers")
+
+from torchfix.testing.families import FAMILIES, denoise
+
+REGISTERED = sorted(
+    key
+    for key, tiny in FAMILIES.items()
+    if not tiny.family.startswith(inference.PREFIX) and families.get(tiny.family).kind == "transformer"
+)
+# Where inference reads less than the hand-written entry, and why (anything else must agree exactly).
+READS_LESS = {
+    # Its single blocks run in a loop over a local alias sliced into encoder and decoder layers: not a list loop.
+    "motif-video": "transformer_blocks only",
+}
+REFUSES = {
+    # The double blocks return the Llama-joined text as a new name (initial_encoder_hidden_states): not a stream.
+    "hidream": "initial_encoder_hidden_states, which it does not take",
+    # Spatial and temporal blocks are zipped into one loop.
+    "latte": "outside `for block in self.<list>` loops",
+}
+CFG = torchfix.DeepCacheConfig(interval=3, num_steps=8)
+
+
+@pytest.fixture
+def registry_off(monkeypatch):
+    """The registry knows no model: every denoiser goes through inference."""
+    from torchfix.families import spec
+
+    monkeypatch.setattr(spec, "find", lambda model: None)
+    monkeypatch.setattr(families, "find", lambda model: None)
+
+
+def _latents(out) -> torch.Tensor:
+    x = out.latents
+    return torch.cat([t.flatten() for t in x]) if isinstance(x, list) else x
+
+
+@pytest.mark.parametrize("key", REGISTERED)
+def test_inferred_entries_agree_with_every_hand_written_one(key):
+    tiny = FAMILIES[key]
+    if (why := tiny.unavailable()) is not None:
+        pytest.skip(why)
+    model, entry = tiny.build(), families.get(tiny.family)
+    if key in REFUSES:
+        with pytest.raises(torchfix.UnsupportedModelError, match=REFUSES[key]):
+            families.infer(model)
+        return
+    got = families.infer(model)
+    assert got.name == "auto:" + type(model).__name__ and families.is_inferred(got) and not families.is_inferred(entry)
+    assert got.keep_last == entry.keep_last and got.latent == entry.latent
+    if key in READS_LESS:
+        assert len(got.blocks) < len(entry.blocks) and all(b in entry.blocks for b in got.blocks)
+    else:
+        assert got.blocks == entry.blocks, (got.describe(), entry.describe())
+
+
+@pytest.mark.parametrize("key", [k for k in REGISTERED if k not in REFUSES])
+def test_a_model_cached_through_its_inferred_entry_computes_what_the_registered_entry_computes(key, monkeypatch):
+    """Without a registry entry the cache reads the same blocks and streams off the code, verifies them on the first
+    call, and computes the same steps: bit-identical where the entries agree and the registered one adds no
+    measured defaults or revisable output layers; within the conformance bar otherwise."""
+    tiny = FAMILIES[key]
+    if (why := tiny.unavailable()) is not None:
+        pytest.skip(why)
+    model = tiny.build()
+    entry = families.get(tiny.family)
+    plain = denoise(model, tiny)
+    torchfix.deepcache.apply(model, CFG)
+    registered = denoise(model, tiny)
+    work = torchfix.deepcache.stats(model)
+    torchfix.deepcache.remove(model)
+    from torchfix.families import spec
+
+    monkeypatch.setattr(spec, "find", lambda m: None)
+    monkeypatch.setattr(families, "find", lambda m: None)
+    try:
+        torchfix.deepcache.apply(model, CFG)
+        inferred = denoise(model, tiny)
+        s = torchfix.deepcache.stats(model)
+    finally:
+        torchfix.deepcache.remove(model)
+    assert s["family"] == "auto:" + type(model).__name__
+    assert (s["full_steps"], s["cached_steps"]) == (work["full_steps"], work["cached_steps"]) == (3, 5)
+    if key not in READS_LESS and entry.tail is None and not entry.defaults:
+        assert torch.equal(_latents(inferred), _latents(registered))
+    ref = _latents(plain)
+    assert ((_latents(inferred) - ref).norm() / ref.norm()).item() < 0.1
+
+
+# --- what inference refuses, at apply ------------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.proj(hidden_states) * temb
+
+
+class Chain(torch.nn.Module):
+    """A tiny day-0 transformer: one list of blocks, the image stream handed on."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(n))
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        temb = torch.sigmoid(timestep)[:, None, None]
+        for block in self.blocks:
+            hidden_states = block(hidden_states, temb)
+        return self.out(hidden_states)
+
+
+class Skips(Chain):
+    """Keeps every block's output for later (a long skip connection): a cached block's output is used elsewhere."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        temb = torch.sigmoid(timestep)[:, None, None]
+        kept = []
+        for block in self.blocks:
+            hidden_states = block(hidden_states, temb)
+            kept.append(hidden_states)
+        return self.out(hidden_states + sum(kept))
+
+
+class Adapter(Chain):
+    """An adapter that reads the stream between blocks and adds to it (Wan-Animate's face adapter): recomputed on a
+    cached step from the stand-in, so the chain splits there and still caches."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        temb = torch.sigmoid(timestep)[:, None, None]
+        for i, block in enumerate(self.blocks):
+            hidden_states = block(hidden_states, temb)
+            if i % 2 == 0:
+                adapted = self.out(hidden_states)
+                hidden_states = hidden_states + 0.1 * adapted
+        return self.out(hidden_states)
+
+
+class Leaks(Chain):
+    """A temporary computed from the stream in the loop and read after it: a cached block's output kept."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        temb = torch.sigmoid(timestep)[:, None, None]
+        first = hidden_states
+        for block in self.blocks:
+            hidden_states = block(hidden_states, temb)
+            first = hidden_states * 1.0
+        return self.out(hidden_states + first)
+
+
+class Starred(Chain):
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        args = (torch.sigmoid(timestep)[:, None, None],)
+        for block in self.blocks:
+            hidden_states = block(hidden_states, *args)
+        return self.out(hidden_states)
+
+
+class NoLoop(Chain):
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        temb = torch.sigmoid(timestep)[:, None, None]
+        hidden_states = self.blocks[0](hidden_states, temb)
+        return self.out(self.blocks[1](hidden_states, temb))
+
+
+class Twice(Chain):
+    """Each loop reads as a chain, but the blocks run twice a call: only the first call can tell."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        temb = torch.sigmoid(timestep)[:, None, None]
+        for block in self.blocks:
+            hidden_states = block(hidden_states, temb)
+        for block in self.blocks:
+            hidden_states = block(hidden_states, temb)
+        return self.out(hidden_states)
+
+
+def _steps(model: torch.nn.Module, steps: int = 8) -> list[torch.Tensor]:
+    """The model's outputs over ``steps`` Euler steps, then the final latents."""
+    x = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+    outs = []
+    with torch.no_grad():
+        for i in range(steps):
+            out = model(x, torch.full((2,), 1.0 - i / steps))
+            outs.append(out)
+            x = x - out / steps
+    return [*outs, x]
+
+
+def _seeded(cls: type) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return cls()
+
+
+def test_a_day0_chain_is_read_verified_and_cached():
+    model = _seeded(Chain)
+    family = families.infer(model)
+    assert family.describe() == "blocks(hidden_states=image) -> image" and family.name == "auto:Chain"
+    plain = _steps(model)
+    torchfix.deepcache.apply(model, CFG)
+    try:
+        cached = _steps(model)
+        s = torchfix.deepcache.stats(model)
+    finally:
+        torchfix.deepcache.remove(model)
+    assert (s["family"], s["full_steps"], s["cached_steps"]) == ("auto:Chain", 3, 5)
+    assert torch.equal(cached[0], plain[0]) and not torch.equal(cached[1], plain[1])
+    assert ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
+
+
+@pytest.mark.parametrize(
+    "model, found",
+    [
+        (Skips(), r"hidden_states is used outside the block call \(kept.append"),
+        (Leaks(), r"first, computed from a stream in the loop, is read after it"),
+        (Starred(), r"passes \*args or \*\*kwargs"),
+        (NoLoop(), r"outside `for block in self.<list>` loops"),
+        (torch.nn.Sequential(torch.nn.Linear(2, 2)), r"no block lists it can read"),
+    ],
+    ids=["skip-connection", "temporary-read-after", "starred", "no-loop", "no-lists"],
+)
+def test_what_cannot_be_read_is_refused_at_apply_naming_what_was_found(model, found):
+    with pytest.raises(torchfix.UnsupportedModelError, match=found) as caught:
+        torchfix.deepcache.apply(model, CFG)
+    assert type(model).__name__ in str(caught.value) and "docs/families.md" in str(caught.value)
+    assert torchfix.deepcache.stats(model) == {"applied": False}
+
+
+def test_an_adapter_between_blocks_splits_the_chain_and_still_caches():
+    model = _seeded(Adapter)
+    plain = _steps(model)
+    torchfix.deepcache.apply(model, CFG)
+    try:
+        cached = _steps(model)
+        s = torchfix.deepcache.stats(model)
+    finally:
+        torchfix.deepcache.remove(model)
+    assert (s["full_steps"], s["cached_steps"]) == (3, 5) and "in 3 run(s)" in s["blocks"]  # split after blocks 0 and 2
+    assert ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
+
+
+def test_a_reading_the_blocks_contradict_is_refused_at_the_first_call_and_nothing_is_cached():
+    model = _seeded(Twice)
+    assert families.infer(model).describe() == "blocks(hidden_states=image) -> image"  # what the source seems to say
+    plain = _steps(model, 1)
+    torchfix.deepcache.apply(model, CFG)
+    try:
+        with pytest.raises(torchfix.UnsupportedModelError, match="blocks called more than once"):
+            _steps(model, 1)
+    finally:
+        torchfix.deepcache.remove(model)
+    assert torch.equal(_steps(model, 1)[0], plain[0])
+
+
+def test_roles_come_from_the_models_names_first():
+    assert [inference.role(n) for n in ("x", "img", "txt", "text_embed", "control_hidden_states", "joint_hidden_states")] == [
+        "image",
+        "image",
+        "text",
+        "text",
+        "control",
+        "image",
+    ]
