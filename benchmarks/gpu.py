@@ -28,7 +28,10 @@ Parts (``--only part,part``; ``env`` always runs):
   diffusers' FirstBlockCache and TaylorSeer (Flux): wall time, rel-L2 of the final latents vs the plain run,
   layers and attentions that computed, peak memory;
 - ``compile``: the SD1.5-size UNet under ``torch.compile`` (inductor), plain and guarded: first call, step
-  time, bit-identity.
+  time, bit-identity;
+- ``day0``: two denoisers with no registry entry at their default (full) size, bare, a flow-matching Euler loop:
+  Qwen-Image 2.1 (7.1B, its KV cache on, as its pipeline runs it) and Flux 3 (5.5B): plain, torchfix's cache through
+  the entry it reads off their code, diffusers' TaylorSeer (Qwen-Image 2.1: diffusers#14829's crash).
 
 Writes ``gpu.json`` (device, driver, versions, torchfix's commit, every figure; rewritten after every row) and
 ``gpu.md`` (the tables) to ``--out`` (default ``$OUT``), and the "gpu" section of docs/benchmarks.md (not with
@@ -67,10 +70,10 @@ import torchfix
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = "torchfix-gpu-check/1"
-PARTS = ("tests", "overhead", "sd15", "sdxl", "flux", "compile")
+PARTS = ("tests", "overhead", "sd15", "sdxl", "flux", "compile", "day0")
 # Seconds per part on an H200, within which each part picks its rows and repeats (the tests: the two pytest runs'
 # timeouts). The benchmark parts add up to 6 minutes; --deadline caps the whole run below the device's 10.
-BUDGETS = {"tests": 210, "overhead": 45, "sd15": 50, "sdxl": 60, "flux": 85, "compile": 120}
+BUDGETS = {"tests": 210, "overhead": 45, "sd15": 50, "sdxl": 60, "flux": 85, "compile": 120, "day0": 150}
 DEADLINE_S = 570  # the whole command, from start to the last write: under a 600 s device timeout
 SECTION = "gpu"
 
@@ -555,6 +558,117 @@ def flux_bench(rig: Rig) -> Bench:
     return Bench(name, pipe, transformer, flux_layers(transformer), size, 4 if rig.small else 20, call)
 
 
+# --- day-0 families: denoisers with no registry entry, cached through the entry read off their code --------------
+
+
+def _euler(model: torch.nn.Module, arguments: dict[str, Any], latent: str, steps: int, extra: Callable[[int], dict[str, Any]]) -> Any:
+    """A bare denoiser's flow-matching Euler loop (timesteps 1 -> 0), a new generation for torchfix's cache each run;
+    ``extra(i)``: per-step arguments (a KV cache's mode)."""
+    torchfix.deepcache.new_call(model)
+    x = arguments[latent]
+    with torch.no_grad():
+        for i in range(steps):
+            t = torch.full((x.shape[0],), 1.0 - i / steps, device=x.device, dtype=x.dtype)
+            named = getattr(model, "cache_context", None)  # as the pipelines call it (diffusers' cache hooks need one)
+            with named("cond") if named is not None else contextlib.nullcontext():
+                out = model(**{**arguments, latent: x, "timestep": t, **extra(i)}, return_dict=False)[0]
+            x = x - out[:, -x.shape[1] :] / steps
+    return x
+
+
+def qwen21_bench(rig: Rig) -> Bench:
+    """Qwen-Image 2.1's transformer (32 blocks, 32 heads x 128: 7.1B; its default config), 1024x1024 (4,096 image
+    tokens, 256 text tokens), with its pipeline's KV cache (the first step prefills the text, later steps run the
+    image tokens alone); or the tiny builder. No registry entry: torchfix reads one off its code."""
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    from torchfix.testing.families import FAMILIES
+
+    dtype = torch.float32 if rig.small else torch.bfloat16
+    tiny = FAMILIES["auto:QwenImage21Transformer2DModel"]
+    with building(rig, dtype):
+        model = (QwenImage21Transformer2DModel(**tiny.config) if rig.small else QwenImage21Transformer2DModel()).eval()
+    c = model.config
+    h = w = 4 if rig.small else 64
+    text = 8 if rig.small else 256
+    g = torch.Generator().manual_seed(0)
+    img_mask = torch.zeros(1, text + h * w // 4, dtype=torch.bool)
+    img_mask[:, text:] = True
+    arguments = {
+        "hidden_states": torch.randn(1, h * w, c.in_channels, generator=g).to(rig.device, dtype),
+        "encoder_hidden_states": torch.randn(1, text, c.context_in_dim, generator=g).to(rig.device, dtype),
+        "encoder_hidden_states_mask": torch.ones(1, text, dtype=torch.bool, device=rig.device),
+        "img_shapes": [[(1, h, w)]],
+        "img_mask": img_mask.to(rig.device),
+    }
+    steps = 4 if rig.small else 20
+    blocks = len(model.transformer_blocks)
+
+    def call(m: Any, n: int) -> Any:
+        cache = QwenImage21KVCache(blocks)
+        return _euler(m, arguments, "hidden_states", n, lambda i: {"kv_cache": cache, "kv_cache_mode": "extract" if i == 0 else "cached"})
+
+    name = _named(rig, "Qwen-Image 2.1", "transformer (no registry entry)", dtype)
+    return Bench(name, model, model, list(model.transformer_blocks), (h * 16, w * 16), steps, call)
+
+
+def flux3_bench(rig: Rig) -> Bench:
+    """Flux 3's transformer (its default config: 5 mode + 28 single blocks, 5.5B), 1024x1024 (4,096 image tokens,
+    512 text tokens); or the tiny builder. No registry entry: torchfix reads one off its code."""
+    from diffusers import Flux3Transformer2DModel
+
+    from torchfix.testing.families import FAMILIES, _ids
+
+    dtype = torch.float32 if rig.small else torch.bfloat16
+    tiny = FAMILIES["auto:Flux3Transformer2DModel"]
+    with building(rig, dtype):
+        model = (Flux3Transformer2DModel(**tiny.config) if rig.small else Flux3Transformer2DModel()).eval()
+    c = model.config
+    h = w = 4 if rig.small else 64
+    text = 12 if rig.small else 512
+    g = torch.Generator().manual_seed(0)
+    txt_ids = torch.zeros(text, 4, dtype=torch.long)
+    txt_ids[:, 3] = torch.arange(text)
+    arguments = {
+        "hidden_states": torch.randn(1, h * w, c.in_channels, generator=g).to(rig.device, dtype),
+        "encoder_hidden_states": torch.randn(1, text, c.joint_attention_dim, generator=g).to(rig.device, dtype),
+        "img_ids": _ids(h, w, width=4).to(rig.device),
+        "txt_ids": txt_ids.to(rig.device),
+    }
+    steps = 4 if rig.small else 20
+    call = lambda m, n: _euler(m, arguments, "hidden_states", n, lambda i: {})  # noqa: E731
+    layers = [*model.single_transformer_blocks]
+    return Bench(_named(rig, "Flux 3", "transformer (no registry entry)", dtype), model, model, layers, (h * 16, w * 16), steps, call)
+
+
+def day0_caches() -> list[Cache]:
+    from diffusers import TaylorSeerCacheConfig
+
+    return [
+        torchfix_cache("torchfix DeepCache (transformer defaults; entry read off the code)"),
+        torchfix_cache("torchfix DeepCache interval=5", interval=5),
+        diffusers_cache("diffusers TaylorSeer cache_interval=3", lambda: TaylorSeerCacheConfig(cache_interval=3)),
+    ]
+
+
+def part_day0(rig: Rig, res: Results, budget: Budget) -> None:
+    """Both day-0 models, each within half of what is left."""
+    for name, build in (("qwen21", qwen21_bench), ("flux3", flux3_bench)):
+        share = Budget(budget.left() / (2 if name == "qwen21" else 1), budget.deadline)
+        try:
+            part_caches(f"day0 {name}", build, day0_caches)(rig, res, share)
+            res.part(f"day0 {name}")["status"] = "done"
+        except Exception as exc:  # one model's failure is a result; the other still runs
+            res.part(f"day0 {name}").update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        finally:
+            res.part(f"day0 {name}")["seconds"] = round(time.perf_counter() - share.start, 1)
+            res.save()
+            gc.collect()
+            if rig.device == "cuda":
+                torch.cuda.empty_cache()
+
+
 # --- overhead ----------------------------------------------------------------------------------------------------
 
 
@@ -687,9 +801,9 @@ def diffusers_cache(label: str, make: Callable[[], Any]) -> Cache:
     hook registry); FluxPipeline sets the cache context they need."""
 
     def on(pipe: Any) -> Any:
-        pipe.transformer.enable_cache(make())
+        getattr(pipe, "transformer", pipe).enable_cache(make())  # a pipeline's transformer, or a bare one
 
-    return Cache(label, on, lambda pipe, _: pipe.transformer.disable_cache())
+    return Cache(label, on, lambda pipe, _: getattr(pipe, "transformer", pipe).disable_cache())
 
 
 def unet_caches(model: str) -> list[Cache]:
@@ -821,6 +935,7 @@ RUNNERS: dict[str, Callable[[Rig, Results, Budget], None]] = {
     "sd15": part_caches("sd15", sd15_bench, lambda: unet_caches("sd15")),
     "sdxl": part_caches("sdxl", sdxl_bench, lambda: unet_caches("sdxl")),
     "flux": part_caches("flux", flux_bench, flux_caches),
+    "day0": part_day0,
     "compile": part_compile,
 }
 
@@ -943,10 +1058,8 @@ def markdown(data: dict[str, Any]) -> str:
     env, parts = data.get("env", {}), data.get("parts", {})
     small = " **--small dry run on the CPU: tiny models, not GPU figures.**" if data.get("small") else ""
     lines = ["## GPU (`benchmarks/gpu.py`)", "", f"Machine: {_machine(env)}; run {data.get('started')}.{small}", "", RUN_HOWTO, ""]
-    for name in PARTS:
-        info = parts.get(name)
-        if info is None:
-            continue
+    for name in [*(n for n in PARTS if n in parts), *(n for n in parts if n not in PARTS)]:  # day0's models: parts of their own
+        info = parts[name]
         rows = info.get("rows", [])
         status = info.get("status")
         head = f"**{name}** ({status}, {info.get('seconds', '?')} s of a {info.get('budget_s', '?')} s budget)"
