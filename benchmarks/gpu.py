@@ -656,6 +656,7 @@ def part_day0(rig: Rig, res: Results, budget: Budget) -> None:
     """Both day-0 models, each within half of what is left."""
     for name, build in (("qwen21", qwen21_bench), ("flux3", flux3_bench)):
         share = Budget(budget.left() / (2 if name == "qwen21" else 1), budget.deadline)
+        res.part(f"day0 {name}")["budget_s"] = round(share.left(), 1)
         try:
             part_caches(f"day0 {name}", build, day0_caches)(rig, res, share)
             res.part(f"day0 {name}")["status"] = "done"
