@@ -618,7 +618,8 @@ def flux3_bench(rig: Rig) -> Bench:
     512 text tokens); or the tiny builder. No registry entry: torchfix reads one off its code."""
     from diffusers import Flux3Transformer2DModel
 
-    from torchfix.testing.families import FAMILIES, _ids
+    from torchfix.testing.families import FAMILIES
+    from torchfix.testing.tiny import _ids
 
     dtype = torch.float32 if rig.small else torch.bfloat16
     tiny = FAMILIES["auto:Flux3Transformer2DModel"]

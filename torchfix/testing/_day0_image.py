@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .families import Call, Tiny, _ids, _image, _text
+from .tiny import Call, Tiny, _ids, _image, _text
 
 __all__ = ["TINY", "UNBUILDABLE"]
 

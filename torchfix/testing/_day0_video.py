@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .families import Call, Tiny, _text, _video
+from .tiny import Call, Tiny, _text, _video
 
 __all__ = ["TINY", "UNBUILDABLE"]
 
