@@ -93,6 +93,7 @@ class Tiny:
     per_sample: tuple[str, ...] = ()  # arguments that are lists with one item per sample (Z-Image's, Qwen's img_shapes)
     shared: tuple[str, ...] = ()  # tensors with no batch dimension (position ids)
     batch_dim: tuple[tuple[str, int], ...] = ()  # tensors whose batch dimension is not the first (HiDream's llama states)
+    per_frame: tuple[str, ...] = ()  # tensors whose first dimension folds the batch and the frames (AnimateDiff's prompt)
 
     @property
     def key(self) -> str:
@@ -136,8 +137,15 @@ class Tiny:
     def sample(self, arguments: dict[str, Any], index: int) -> dict[str, Any]:
         """Sample ``index`` of a batch's arguments, as a batch of one (what two batch-1 calls would pass)."""
         dims = dict(self.batch_dim)
+        batch = _batch(arguments[self.latent])
         return {
-            k: [v[index]] if k in self.per_sample else v if k in self.shared else _take(v, index, dims.get(k, 0))
+            k: [v[index]]
+            if k in self.per_sample
+            else v
+            if k in self.shared
+            else _take_rows(v, index, v.shape[0] // batch)
+            if k in self.per_frame
+            else _take(v, index, dims.get(k, 0))
             for k, v in arguments.items()
         }
 
@@ -158,6 +166,11 @@ def _take(value: Any, index: int, dim: int = 0) -> Any:
     if isinstance(value, dict):
         return {k: _take(v, index) for k, v in value.items()}
     return value
+
+
+def _take_rows(value: torch.Tensor, index: int, rows: int) -> torch.Tensor:
+    """Sample ``index``'s ``rows`` rows of a tensor whose first dimension folds the batch and the frames."""
+    return value.narrow(0, index * rows, rows)
 
 
 def _timestep(tiny: Tiny, t: float, batch: int) -> torch.Tensor:
@@ -254,6 +267,51 @@ def _sdxl() -> torch.nn.Module:
     from . import tiny_sdxl_unet
 
     return tiny_sdxl_unet()
+
+
+# diffusers' own tests' configs (tests/models/unets/test_models_unet_motion.py, test_models_unet_spatiotemporal.py):
+# two down blocks each, one of them with cross-attention.
+_MOTION = {
+    "block_out_channels": (16, 32),
+    "norm_num_groups": 16,
+    "down_block_types": ("CrossAttnDownBlockMotion", "DownBlockMotion"),
+    "up_block_types": ("UpBlockMotion", "CrossAttnUpBlockMotion"),
+    "cross_attention_dim": 16,
+    "num_attention_heads": 2,
+    "out_channels": 4,
+    "in_channels": 4,
+    "layers_per_block": 1,
+    "sample_size": 16,
+}
+_SPATIOTEMPORAL = {
+    "block_out_channels": (32, 64),
+    "down_block_types": ("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+    "up_block_types": ("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+    "cross_attention_dim": 32,
+    "num_attention_heads": 8,
+    "out_channels": 4,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "sample_size": 32,
+    "projection_class_embeddings_input_dim": 3 * 32,
+    "addition_time_embed_dim": 32,
+}
+
+
+def _motion_inputs(c: Call) -> dict[str, Any]:
+    """AnimateDiff's step: latents ``[B, C, F, H, W]`` and the prompt repeated per frame (``[B·F, T, D]``), as
+    ``AnimateDiffPipeline`` passes it."""
+    return {"sample": _video(c), "encoder_hidden_states": _text(c, 4, 16).repeat_interleave(c.frames, dim=0)}
+
+
+def _spatiotemporal_inputs(c: Call) -> dict[str, Any]:
+    """Stable Video Diffusion's step: latents ``[B, F, C, H, W]``, one CLIP image embedding per sample (``[B, 1, D]``)
+    and the added time ids (fps, motion bucket, noise augmentation)."""
+    return {
+        "sample": c.randn(c.batch, c.frames, 4, *c.size),
+        "encoder_hidden_states": _text(c, 1, 32),
+        "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * c.batch),
+    }
 
 
 def _ids(h: int, w: int, width: int = 3, frame: bool = False) -> torch.Tensor:
@@ -382,6 +440,26 @@ _TINY = [
         sizes=((8, 8), (9, 12)),
         build_with=_sdxl,
         name="sdxl",
+    ),
+    Tiny(
+        "animatediff",
+        "UNetMotionModel",
+        _MOTION,
+        _motion_inputs,
+        latent="sample",
+        sizes=((8, 8), (9, 12)),
+        frames=(4, 3),
+        per_frame=("encoder_hidden_states",),
+    ),
+    Tiny(
+        "svd",
+        "UNetSpatioTemporalConditionModel",
+        _SPATIOTEMPORAL,
+        _spatiotemporal_inputs,
+        latent="sample",
+        scale=1.0,  # SVD's EDM timesteps are 0.25·ln(σ): a few units, not DDPM's 0..1000
+        sizes=((8, 8), (9, 12)),
+        frames=(4, 3),
     ),
     Tiny(
         "sd3",
