@@ -112,8 +112,10 @@ def _text_encoder_findings(pipe: Any) -> list[Finding]:
         total = sum(w for _, w in feeds)
         if total == expected[0] or (width.padded and total < expected[0]):
             continue
-        what = f"{feeds[0][0]} ({width.label}) {kind} width {total}" if len(feeds) == 1 else (
-            f"{width.label} {kind} width {' + '.join(f'{n} {w}' for n, w in feeds)} = {total}"
+        what = (
+            f"{feeds[0][0]} ({width.label}) {kind} width {total}"
+            if len(feeds) == 1
+            else (f"{width.label} {kind} width {' + '.join(f'{n} {w}' for n, w in feeds)} = {total}")
         )
         relation = "is wider than" if width.padded else "does not match"
         findings.append(finding(name, f"{what} {relation} {expected[1]}", _MISMATCH_FIX, kind="model"))
@@ -129,12 +131,26 @@ def _linear(module: Any) -> torch.nn.Linear | None:
     return base if isinstance(base, torch.nn.Linear) else None
 
 
+def _prompt_side(path: str) -> bool:
+    """Whether the layer at ``path`` may read the prompt: not inside AnimateDiff's motion modules, whose ``attn2`` attends
+    across frames to the frames themselves (an SDXL motion UNet's first block has no cross-attention, only those).
+
+    >>> _prompt_side("down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k")
+    True
+    >>> _prompt_side("down_blocks.0.motion_modules.0.transformer_blocks.0.attn2.to_k")
+    False
+    """
+    return "motion_modules" not in path.split(".")
+
+
 def _reader(model: torch.nn.Module, entry: str) -> tuple[str, torch.nn.Linear] | None:
     """The layer of ``model`` that reads the conditioning of config ``entry`` (:data:`CONDITIONING_WEIGHTS`), with its
     path; ``None`` where no such ``Linear`` (or LoRA-wrapped ``Linear``) is found."""
     for path in CONDITIONING_WEIGHTS.get(entry, ()):
         if path.startswith("*"):
-            found = next(((n, m) for n, m in model.named_modules() if n.endswith(path[1:]) and _linear(m) is not None), None)
+            found = next(
+                ((n, m) for n, m in model.named_modules() if n.endswith(path[1:]) and _prompt_side(n) and _linear(m) is not None), None
+            )
         else:
             try:
                 found = (path, model.get_submodule(path))
@@ -288,8 +304,10 @@ def conditioning(pipe: Any) -> list[Finding]:
 
 
 def _side_model_findings(pipe: Any, *, weights_only: bool = False) -> list[Finding]:
-    return _consumer_findings(pipe, weights_only=weights_only) + _ip_adapter_findings(pipe, weights_only=weights_only) + (
-        _t2i_adapter_findings(pipe)
+    return (
+        _consumer_findings(pipe, weights_only=weights_only)
+        + _ip_adapter_findings(pipe, weights_only=weights_only)
+        + (_t2i_adapter_findings(pipe))
     )
 
 

@@ -125,6 +125,26 @@ def test_freeu_is_applied_in_cached_steps_as_the_unet_does():
     assert torch.equal(cached, plain)
 
 
+def test_freeu_at_every_branch_leaves_the_kept_feature_as_it_was():
+    """diffusers' FreeU scales what enters an up block's resnets in place (at resolutions 0 and 1): the full step's kept
+    feature must not be scaled by it after it was kept, nor a cached step's reuse of it scale it for the next one.
+    (Before: off by up to 0.1 at the branches that re-enter up_blocks.0 and .1, and more with each cached step.)"""
+    unet = _unet({})
+    unet.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+    x, ehs = torch.randn(1, 4, 9, 7), _ehs()
+    with torch.no_grad():
+        plain = unet(x, 500, ehs).sample
+        for branch in range(torchfix.deepcache.check(unet, DeepCacheConfig()).n_skips):
+            torchfix.deepcache.apply(unet, DeepCacheConfig(interval=3, warm_up=False, forecast=0, branch=branch))
+            try:
+                torchfix.deepcache.new_call(unet)
+                outs = [unet(x, 500, ehs).sample for _ in range(3)]
+                assert torchfix.deepcache.stats(unet)["cached_steps"] == 2
+            finally:
+                torchfix.deepcache.remove(unet)
+            assert all(torch.equal(out, plain) for out in outs), branch
+
+
 @pytest.mark.parametrize("scale", [0.5, 0.0])
 def test_a_lora_scale_reaches_the_cached_step_as_the_unets_own_forward_takes_it(scale):
     """``cross_attention_kwargs={"scale": s}`` scales the PEFT LoRA layers in the cached step as the installed UNet's

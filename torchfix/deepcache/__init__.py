@@ -1,6 +1,6 @@
 """Resolution-tolerant DeepCache that is never stale, for every denoiser family torchfix knows: diffusers
-UNets (SD1.x/2.x/SDXL) and the diffusion transformers of :mod:`torchfix.families` (SD3, Flux.1/2, Qwen-Image,
-Wan, HunyuanVideo, LTX, ...).
+UNets (SD1.x/2.x/SDXL, AnimateDiff, Stable Video Diffusion) and the diffusion transformers of
+:mod:`torchfix.families` (SD3, Flux.1/2, Qwen-Image, Wan, HunyuanVideo, LTX, ...).
 
 >>> import torchfix
 >>> cfg = torchfix.DeepCacheConfig(interval=3, branch=0)

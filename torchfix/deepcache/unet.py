@@ -1,5 +1,6 @@
-"""DeepCache for diffusers UNets (SD1.x/2.x/SDXL): on a cached step, only the shallow part of the UNet runs,
-around the deep feature of the last full steps (:mod:`torchfix.deepcache.shallow`), at any latent size.
+"""DeepCache for diffusers UNets (SD1.x/2.x/SDXL, AnimateDiff, Stable Video Diffusion): on a cached step, only
+the shallow part of the UNet runs, around the deep feature of the last full steps (:mod:`torchfix.deepcache.shallow`),
+at any latent size and frame count (a new shape of the latents, frames included, starts a new generation).
 
 The deep feature is what enters skip connection ``branch``'s consumer; a full step keeps it (one *run*, in the
 engine's terms), a cached step forecasts it. UNet calls are counted, never looked up by timestep value, so
@@ -83,14 +84,26 @@ def _done_full(state: UNetState) -> None:
     engine.keep_pending(state)
 
 
-def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool) -> Any:
-    # Stores a reference (no copy) to the tensor entering the branch's consumer.
+def _scales_in_place(block: torch.nn.Module | None) -> bool:
+    """Whether diffusers' FreeU, enabled on up block ``block``, scales what enters its resnets in place (its
+    ``apply_freeu`` does so at resolutions 0 and 1): the kept feature would change after it was kept."""
+    if block is None or getattr(block, "resolution_idx", None) not in (0, 1):
+        return False
+    return all(getattr(block, k, None) for k in ("s1", "s2", "b1", "b2"))
+
+
+def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool, consumer: torch.nn.Module | None = None) -> Any:
+    # Stores a reference to the tensor entering the branch's consumer; a copy where the consumer's up block changes it
+    # in place (FreeU) or the host does.
+    block_ref = weakref.ref(consumer) if consumer is not None else lambda: None
+
     def keep(state: UNetState | None, h: Any) -> None:
         if state is not None and state.capturing and state.current is not None:
-            kept = h.detach().clone() if state.copy_feature else h.detach()
+            copy = state.copy_feature or _scales_in_place(block_ref())
+            kept = h.detach().clone() if copy else h.detach()
             state.pending[0] = kept  # joins the stream's history after the call, outside any graph
             if state.check_feature:  # eager only: a compiled graph keeps no Python state (and must not guard on versions)
-                checkable = not state.copy_feature and not torch.compiler.is_compiling()
+                checkable = not copy and not torch.compiler.is_compiling()
                 state.feature_marker = engine.marker(kept) if checkable else None
 
     if pre:
@@ -134,6 +147,16 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
     return make
 
 
+def _last_of_layer(block: torch.nn.Module, j: int) -> torch.nn.Module:
+    """The module whose output leaves layer ``j`` of an up block (what enters resnet ``j + 1``): its motion module
+    (AnimateDiff), else its attention, else its resnet."""
+    for part in ("motion_modules", "attentions"):
+        modules = getattr(block, part, None)
+        if modules is not None:
+            return modules[j]
+    return block.resnets[j]
+
+
 def apply_unet(unet: torch.nn.Module, family: Family, config: DeepCacheConfig, layout: Layout) -> UNetState:
     """Install the capture hook and the forward on ``unet`` (the caller registers the state and follows the scheduler)."""
     state = UNetState(family, config, unet.forward, layout=layout)
@@ -142,10 +165,10 @@ def apply_unet(unet: torch.nn.Module, family: Family, config: DeepCacheConfig, l
     i, j = layout.consumers[config.branch]
     up = unet.up_blocks[i]
     if j == 0:
-        state.handles.append(instance.add_hook(up, _capture_hook(state_ref, pre=True), pre=True, with_kwargs=True))
+        state.handles.append(instance.add_hook(up, _capture_hook(state_ref, pre=True, consumer=up), pre=True, with_kwargs=True))
     else:
-        producer = up.attentions[j - 1] if getattr(up, "attentions", None) is not None else up.resnets[j - 1]
-        state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False)))
+        producer = _last_of_layer(up, j - 1)
+        state.handles.append(instance.add_hook(producer, _capture_hook(state_ref, pre=False, consumer=up)))
     state.handles.append(
         instance.wrap_forward(unet, HOOK_NAME, _make_forward(unet, state), reset=state.reset, on_context=engine.context_listener(state_ref))
     )

@@ -141,6 +141,49 @@ register(
     )
 )
 
+# The video UNets: AnimateDiff's (an SD1.5/SDXL UNet with motion modules after each layer, mixing the frames of a
+# sample) and Stable Video Diffusion's (spatio-temporal resnets and attentions). Both fold the frames into the batch
+# dimension between conv_in and conv_out; the cache reuses the deep feature of a full step as the image UNet's does,
+# and a new frame count (a new latent shape) starts a new generation. Read off diffusers 0.42.1's
+# UNetMotionModel.forward and UNetSpatioTemporalConditionModel.forward (the same since 0.35).
+register(
+    Family(
+        "animatediff",
+        "AnimateDiff (UNetMotionModel)",
+        ("UNetMotionModel",),
+        kind="unet",
+        latent="sample",
+        defaults={"forecast": 2, "stop": 1.0, "keep_first": 1, "keep_last": 1},
+        widths=(
+            Width("text", _unet_text, ("text_encoder", "text_encoder_2"), label="text encoder"),
+            Width("pooled", _unet_pooled, ("text_encoder_2",), attr="projection_dim", label="CLIP", required=True),
+        ),
+        pipelines=(
+            "AnimateDiffPipeline",
+            "AnimateDiffSDXLPipeline",
+            "AnimateDiffVideoToVideoPipeline",
+            "AnimateDiffControlNetPipeline",
+            "AnimateDiffVideoToVideoControlNetPipeline",
+            "AnimateDiffSparseControlNetPipeline",
+            "AnimateDiffPAGPipeline",
+            "PIAPipeline",
+        ),
+        noise="embeddings",
+    )
+)
+register(
+    Family(
+        "svd",
+        "Stable Video Diffusion (UNetSpatioTemporalConditionModel)",
+        ("UNetSpatioTemporalConditionModel",),
+        kind="unet",
+        latent="sample",
+        defaults={"forecast": 2, "stop": 1.0, "keep_first": 1, "keep_last": 1},
+        pipelines=("StableVideoDiffusionPipeline",),
+        # its pipeline draws the noise in the CLIP image embeddings' dtype, not a prompt's: nothing for the preflight
+    )
+)
+
 # --- Image transformers --------------------------------------------------------------------------------------
 
 register(

@@ -161,7 +161,8 @@ class Family:
         name: short key (``"flux"``), used in stats, errors, docs and ``torchfix.testing.FAMILIES``.
         title: what users call it (``"Flux.1 (dev, schnell, Kontext)"``).
         classes: denoiser class names this entry describes (matched on the class and its bases).
-        kind: ``"transformer"`` (a chain of blocks) or ``"unet"`` (diffusers' UNet2DConditionModel).
+        kind: ``"transformer"`` (a chain of blocks) or ``"unet"`` (diffusers' UNet2DConditionModel, UNetMotionModel or
+            UNetSpatioTemporalConditionModel: :mod:`torchfix.deepcache.layout`).
         blocks: the block lists the cache may skip, in the order a forward calls them; lists not named here
             (refiners, embedders, control branches) run on every step.
         latent: the forward parameter holding the latents (a new shape, dtype or device starts a new generation).

@@ -25,6 +25,7 @@ __all__ = [
     "flops",
     "latents",
     "t5_tokenizer",
+    "tiny_animatediff_pipeline",
     "tiny_cogvideox_pipeline",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
@@ -33,6 +34,7 @@ __all__ = [
     "tiny_sdxl_pipeline",
     "tiny_sdxl_refiner_pipeline",
     "tiny_sdxl_unet",
+    "tiny_svd_pipeline",
     "tiny_t5_encoder",
     "tiny_text_encoder",
     "tiny_vae",
@@ -458,6 +460,101 @@ def tiny_cogvideox_pipeline(seed: int = 0, layers: int = 2) -> Any:
         vae=vae,
         transformer=transformer,
         scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@_own_rng
+def tiny_animatediff_pipeline(seed: int = 0, scheduler: str = "DDIMScheduler") -> Any:
+    """An AnimateDiffPipeline as diffusers' own test of it builds one: a two-level UNet2DConditionModel (cross-attention
+    at the top level) and a MotionAdapter, which the pipeline joins into a UNetMotionModel; the CLIP encoder, tokenizer
+    and VAE of :func:`tiny_sd15_pipeline` (latents are pixels / 8)."""
+    from diffusers import AnimateDiffPipeline, MotionAdapter
+
+    unet = _tiny_unet(
+        seed,
+        heads=2,
+        block_out_channels=(8, 8),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=TEXT_DIM,
+        norm_num_groups=2,
+    )
+    torch.manual_seed(seed + 1)
+    adapter = MotionAdapter(block_out_channels=(8, 8), motion_layers_per_block=2, motion_norm_num_groups=2, motion_num_attention_heads=4)
+    pipe = AnimateDiffPipeline(
+        vae=tiny_vae(seed),
+        text_encoder=tiny_text_encoder(seed=seed),
+        tokenizer=clip_tokenizer(),
+        unet=unet,
+        motion_adapter=adapter,
+        scheduler=_scheduler(scheduler),
+    )
+    pipe.unet.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@_own_rng
+def tiny_svd_pipeline(seed: int = 0) -> Any:
+    """A StableVideoDiffusionPipeline with the components of diffusers' own test of it: a two-level
+    UNetSpatioTemporalConditionModel (8 input channels: the noise and the conditioning image's latents), a CLIP
+    vision encoder 32 wide, a temporal-decoder VAE (latents are pixels / 2) and an EDM Euler scheduler."""
+    from diffusers import (
+        AutoencoderKLTemporalDecoder,
+        EulerDiscreteScheduler,
+        StableVideoDiffusionPipeline,
+        UNetSpatioTemporalConditionModel,
+    )
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed)
+    unet = UNetSpatioTemporalConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        cross_attention_dim=32,
+        num_attention_heads=8,
+        projection_class_embeddings_input_dim=96,
+        addition_time_embed_dim=32,
+    ).eval()
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        interpolation_type="linear",
+        num_train_timesteps=1000,
+        prediction_type="v_prediction",
+        sigma_max=700.0,
+        sigma_min=0.002,
+        steps_offset=1,
+        timestep_spacing="leading",
+        timestep_type="continuous",
+        use_karras_sigmas=True,
+    )
+    torch.manual_seed(seed)
+    vae = AutoencoderKLTemporalDecoder(
+        block_out_channels=[32, 64],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+        latent_channels=4,
+    ).eval()
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32, projection_dim=32, num_hidden_layers=5, num_attention_heads=4, image_size=32, intermediate_size=37, patch_size=1
+    )
+    pipe = StableVideoDiffusionPipeline(
+        vae=vae,
+        image_encoder=CLIPVisionModelWithProjection(vision).eval(),
+        unet=unet,
+        scheduler=scheduler,
+        feature_extractor=CLIPImageProcessor(crop_size=32, size=32),
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

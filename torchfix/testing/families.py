@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from .tiny import ADDED_IN, Call, Size, Tiny, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
+from .tiny import ADDED_IN, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
 
 __all__ = ["ADDED_IN", "FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
+
 
 def _timestep(tiny: Tiny, t: float, batch: int) -> torch.Tensor:
     return torch.full((batch,), t * tiny.scale)
@@ -103,10 +104,6 @@ def denoise(
     return outputs
 
 
-def _batch(latents: Any) -> int:
-    return len(latents) if isinstance(latents, list) else latents.shape[0]
-
-
 # --- the builders ---------------------------------------------------------------------------------------------
 
 
@@ -120,6 +117,51 @@ def _sdxl() -> torch.nn.Module:
     from . import tiny_sdxl_unet
 
     return tiny_sdxl_unet()
+
+
+# diffusers' own tests' configs (tests/models/unets/test_models_unet_motion.py, test_models_unet_spatiotemporal.py):
+# two down blocks each, one of them with cross-attention.
+_MOTION = {
+    "block_out_channels": (16, 32),
+    "norm_num_groups": 16,
+    "down_block_types": ("CrossAttnDownBlockMotion", "DownBlockMotion"),
+    "up_block_types": ("UpBlockMotion", "CrossAttnUpBlockMotion"),
+    "cross_attention_dim": 16,
+    "num_attention_heads": 2,
+    "out_channels": 4,
+    "in_channels": 4,
+    "layers_per_block": 1,
+    "sample_size": 16,
+}
+_SPATIOTEMPORAL = {
+    "block_out_channels": (32, 64),
+    "down_block_types": ("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+    "up_block_types": ("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+    "cross_attention_dim": 32,
+    "num_attention_heads": 8,
+    "out_channels": 4,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "sample_size": 32,
+    "projection_class_embeddings_input_dim": 3 * 32,
+    "addition_time_embed_dim": 32,
+}
+
+
+def _motion_inputs(c: Call) -> dict[str, Any]:
+    """AnimateDiff's step: latents ``[B, C, F, H, W]`` and the prompt repeated per frame (``[B·F, T, D]``), as
+    ``AnimateDiffPipeline`` passes it."""
+    return {"sample": _video(c), "encoder_hidden_states": _text(c, 4, 16).repeat_interleave(c.frames, dim=0)}
+
+
+def _spatiotemporal_inputs(c: Call) -> dict[str, Any]:
+    """Stable Video Diffusion's step: latents ``[B, F, C, H, W]``, one CLIP image embedding per sample (``[B, 1, D]``)
+    and the added time ids (fps, motion bucket, noise augmentation)."""
+    return {
+        "sample": c.randn(c.batch, c.frames, 4, *c.size),
+        "encoder_hidden_states": _text(c, 1, 32),
+        "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * c.batch),
+    }
 
 
 def _flux_like(c: Call, channels: int = 4, text: int = 32, tokens: int = 12, pooled: int | None = 32) -> dict[str, Any]:
@@ -222,6 +264,26 @@ _TINY = [
         sizes=((8, 8), (9, 12)),
         build_with=_sdxl,
         name="sdxl",
+    ),
+    Tiny(
+        "animatediff",
+        "UNetMotionModel",
+        _MOTION,
+        _motion_inputs,
+        latent="sample",
+        sizes=((8, 8), (9, 12)),
+        frames=(4, 3),
+        per_frame=("encoder_hidden_states",),
+    ),
+    Tiny(
+        "svd",
+        "UNetSpatioTemporalConditionModel",
+        _SPATIOTEMPORAL,
+        _spatiotemporal_inputs,
+        latent="sample",
+        scale=1.0,  # SVD's EDM timesteps are 0.25·ln(σ): a few units, not DDPM's 0..1000
+        sizes=((8, 8), (9, 12)),
+        frames=(4, 3),
     ),
     Tiny(
         "sd3",

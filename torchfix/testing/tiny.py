@@ -86,6 +86,7 @@ class Tiny:
     per_sample: tuple[str, ...] = ()  # arguments that are lists with one item per sample (Z-Image's, Qwen's img_shapes)
     shared: tuple[str, ...] = ()  # tensors with no batch dimension (position ids)
     batch_dim: tuple[tuple[str, int], ...] = ()  # tensors whose batch dimension is not the first (HiDream's llama states)
+    per_frame: tuple[str, ...] = ()  # tensors whose first dimension folds the batch and the frames (AnimateDiff's prompt)
 
     @property
     def key(self) -> str:
@@ -129,8 +130,15 @@ class Tiny:
     def sample(self, arguments: dict[str, Any], index: int) -> dict[str, Any]:
         """Sample ``index`` of a batch's arguments, as a batch of one (what two batch-1 calls would pass)."""
         dims = dict(self.batch_dim)
+        batch = _batch(arguments[self.latent])
         return {
-            k: [v[index]] if k in self.per_sample else v if k in self.shared else _take(v, index, dims.get(k, 0))
+            k: [v[index]]
+            if k in self.per_sample
+            else v
+            if k in self.shared
+            else _take_rows(v, index, v.shape[0] // batch)
+            if k in self.per_frame
+            else _take(v, index, dims.get(k, 0))
             for k, v in arguments.items()
         }
 
@@ -143,6 +151,15 @@ def _wake(model: torch.nn.Module) -> torch.nn.Module:
         if param.numel() and not bool(param.any()):
             param.normal_(0.0, 0.05)
     return model
+
+
+def _batch(latents: Any) -> int:
+    return len(latents) if isinstance(latents, list) else latents.shape[0]
+
+
+def _take_rows(value: torch.Tensor, index: int, rows: int) -> torch.Tensor:
+    """Sample ``index``'s ``rows`` rows of a tensor whose first dimension folds the batch and the frames."""
+    return value.narrow(0, index * rows, rows)
 
 
 def _take(value: Any, index: int, dim: int = 0) -> Any:
