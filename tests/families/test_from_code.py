@@ -166,10 +166,28 @@ class Leaks(Chain):
 
 
 class Starred(Chain):
+    """The stream goes to the blocks inside a tuple built elsewhere: which parameter takes it cannot be read."""
+
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-        args = (torch.sigmoid(timestep)[:, None, None],)
+        temb = torch.sigmoid(timestep)[:, None, None]
         for block in self.blocks:
-            hidden_states = block(hidden_states, *args)
+            hidden_states = block(*self._arguments(hidden_states, temb))
+        return self.out(hidden_states)
+
+    @staticmethod
+    def _arguments(hidden_states: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden_states, temb
+
+
+class Packed(Chain):
+    """The blocks' arguments packed into a tuple in the loop (Kandinsky 6), conditioning by keyword from a dict:
+    read item by item."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        extra = {"temb": torch.sigmoid(timestep)[:, None, None]}
+        for block in self.blocks:
+            args = (hidden_states,)
+            hidden_states = block(*args, **extra)
         return self.out(hidden_states)
 
 
@@ -231,7 +249,7 @@ def test_a_day0_chain_is_read_verified_and_cached():
     [
         (Skips(), r"hidden_states is used outside the block call \(kept.append"),
         (Leaks(), r"first, computed from a stream in the loop, is read after it"),
-        (Starred(), r"passes \*args or \*\*kwargs"),
+        (Starred(), r"passes \*args or \*\*kwargs that may hold hidden_states"),
         (NoLoop(), r"outside `for block in self.<list>` loops"),
         (torch.nn.Sequential(torch.nn.Linear(2, 2)), r"no block lists it can read"),
     ],
@@ -242,6 +260,20 @@ def test_what_cannot_be_read_is_refused_at_apply_naming_what_was_found(model, fo
         torchfix.deepcache.apply(model, CFG)
     assert type(model).__name__ in str(caught.value) and "docs/families.md" in str(caught.value)
     assert torchfix.deepcache.stats(model) == {"applied": False}
+
+
+def test_a_tuple_of_arguments_built_in_the_loop_is_read_item_by_item():
+    model = _seeded(Packed)
+    assert families.infer(model).describe() == "blocks(hidden_states=image) -> image"
+    plain = _steps(model)
+    torchfix.deepcache.apply(model, CFG)
+    try:
+        cached = _steps(model)
+        s = torchfix.deepcache.stats(model)
+    finally:
+        torchfix.deepcache.remove(model)
+    assert (s["full_steps"], s["cached_steps"]) == (3, 5)
+    assert ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
 
 
 def test_an_adapter_between_blocks_splits_the_chain_and_still_caches():

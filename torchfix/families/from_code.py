@@ -136,20 +136,48 @@ def _names(target: ast.expr) -> list[str] | None:
     return [e.id for e in elts] if all(isinstance(e, ast.Name) for e in elts) else None
 
 
-def _read_call(attr: str, assign: ast.Assign, call: ast.Call, params: list[str], variadic: bool) -> Loop:
-    """The streams of one block call: the assigned names the call also passes, mapped to block parameters."""
+def _tuple_named(loop: ast.For, call: ast.Call, name: str) -> list[ast.expr] | None:
+    """The items of ``name = (a, b, ...)``, the loop's last assignment of ``name`` before ``call`` (Kandinsky 6 builds
+    its blocks' arguments so), or ``None``."""
+    found = None
+    for node in ast.walk(loop):
+        if (
+            isinstance(node, ast.Assign)
+            and node.lineno < call.lineno
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == name
+        ):
+            found = node.value.elts if isinstance(node.value, (ast.Tuple, ast.List)) else None
+    return found
+
+
+def _read_call(attr: str, loop: ast.For, assign: ast.Assign, call: ast.Call, params: list[str], variadic: bool) -> Loop:
+    """The streams of one block call: the assigned names the call also passes, mapped to block parameters. A
+    ``*args`` tuple the loop builds is read item by item; a ``**kwargs`` dict (or a ``*args`` that cannot be read)
+    after every stream is passed by name or position is conditioning (a stream cannot be passed twice)."""
     targets = _names(assign.targets[0]) if len(assign.targets) == 1 else None
     if targets is None:
         return Loop(attr, (), {}, f"its block call assigns {ast.unparse(assign.targets[0])}, not names")
-    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
-        return Loop(attr, tuple(targets), {}, "its block call passes *args or **kwargs")
-    if len(call.args) > len(params) and not variadic:
-        return Loop(attr, tuple(targets), {}, f"its block call passes {len(call.args)} positional arguments to {len(params)} parameters")
+    positional: list[ast.expr] = []
+    for arg in call.args:
+        if isinstance(arg, ast.Starred):
+            items = _tuple_named(loop, call, arg.value.id) if isinstance(arg.value, ast.Name) else None
+            if items is None:
+                break  # positions from here on are unknown
+            positional += items
+        else:
+            positional.append(arg)
+    if len(positional) > len(params) and not variadic:
+        return Loop(attr, tuple(targets), {}, f"its block call passes {len(positional)} positional arguments to {len(params)} parameters")
     given: dict[str, str] = {}
-    for param, arg in [*zip(params, call.args), *((k.arg, k.value) for k in call.keywords)]:
+    for param, arg in [*zip(params, positional), *((k.arg, k.value) for k in call.keywords if k.arg is not None)]:
         if isinstance(arg, ast.Name):
             given.setdefault(arg.id, param)
     missing = [t for t in targets if t not in given]
+    if missing and (len(positional) < sum(not isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords)
+                    or any(isinstance(a, ast.Starred) for a in call.args)):  # fmt: skip
+        return Loop(attr, tuple(targets), given, "its block call passes *args or **kwargs that may hold " + ", ".join(missing))
     if missing:
         return Loop(attr, tuple(targets), given, f"its block returns {', '.join(missing)}, which it does not take (not a stream)")
     return Loop(attr, tuple(targets), {t: given[t] for t in targets})
@@ -208,14 +236,16 @@ def _escapes(function: ast.AST, loop: ast.For, call: ast.Assign, streams: tuple[
 
     if (why := visit(loop.body)) is not None:
         return why
-    inside = {id(n) for n in ast.walk(loop)}
+    end = loop.end_lineno or loop.lineno
+    stores = [(n.id, n.lineno) for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
     after = sorted(
         {
             n.id
             for n in ast.walk(function)
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in derived and id(n) not in inside
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in derived and n.lineno > end
+            and not any(name == n.id and end < line <= n.lineno for name, line in stores)  # bound anew before it is read
         }
-    )
+    )  # fmt: skip
     return f"{', '.join(after)}, computed from a stream in the loop, is read after it" if after else None
 
 
@@ -233,7 +263,7 @@ def _read_class(cls: type, block_params: tuple[tuple[str, tuple[str, ...], bool]
         params, variadic = signatures[attr]
         readings.setdefault(attr, [])
         for assign, call in _block_calls(node, var):
-            loop = _read_call(attr, assign, call, list(params), variadic)
+            loop = _read_call(attr, node, assign, call, list(params), variadic)
             if loop.problem is None and (why := _escapes(tree, node, assign, loop.returns)) is not None:
                 loop = Loop(attr, loop.returns, loop.params, why)
             readings[attr].append(loop)
