@@ -3,6 +3,7 @@
     .venv/bin/python -m pip install cache-dit==1.5.3    # (the bench extra)
     .venv/bin/python benchmarks/families.py              # ~30-40 min on 2 cores
     .venv/bin/python benchmarks/families.py wan flux     # some families
+    .venv/bin/python benchmarks/families.py --day0       # the classes with no registry entry (section families_day0)
 
 Each family's tiny builder (torchfix.testing.FAMILIES), deepened to 12 blocks, 9 + 9 where a family has two lists
 (cache-dit's default runs the first 8 blocks of each list on every step and needs more), random weights, 20 steps of
@@ -88,6 +89,29 @@ DEEPER: dict[str, dict[str, Any]] = {
     "easyanimate": {"num_layers": DEPTH},
     "motif-video": {"num_layers": 9, "num_single_layers": 9},
     "latte": {"num_layers": DEPTH},  # as many spatial and temporal blocks
+    # the day-0 builders (no registry entry: the cache reads theirs off the code)
+    "auto:QwenImage21Transformer2DModel": {"num_layers": DEPTH},
+    "auto:Flux3Transformer2DModel": {"num_layers": 2, "num_single_layers": DEPTH},
+    "auto:Krea2Transformer2DModel": {"num_layers": DEPTH},
+    "auto:Ideogram4Transformer2DModel": {"num_layers": DEPTH},
+    "auto:GlmImageTransformer2DModel": {"num_layers": DEPTH},
+    "auto:ErnieImageTransformer2DModel": {"num_layers": DEPTH},
+    "auto:HunyuanImageTransformer2DModel": {"num_layers": 9, "num_single_layers": 9},
+    "auto:BriaFibo2Transformer2DModel": {"n_layers": DEPTH},
+    "auto:PRXTransformer2DModel": {"depth": DEPTH},
+    "auto:OmniGenTransformer2DModel": {"num_layers": DEPTH},
+    "auto:DreamLiteTransformer2DModel": {"num_layers": DEPTH},
+    "auto:Kandinsky6SRTransformer3DModel": {"num_visual_blocks": DEPTH},
+    "auto:WanAnimateTransformer3DModel": {"num_layers": DEPTH, "inject_face_latents_blocks": 4},
+    "auto:HunyuanVideoFramepackTransformer3DModel": {"num_layers": 9, "num_single_layers": 9},
+    "auto:HeliosTransformer3DModel": {"num_layers": DEPTH},
+    "auto:JoyImageEditPlusTransformer3DModel": {"num_layers": DEPTH},
+    "auto:ConsisIDTransformer3DModel": {"num_layers": DEPTH},
+    "auto:SanaWMLTX2RefinerTransformer3DModel": {"num_layers": DEPTH},
+    "auto:MiniMaxH3Transformer3DModel": {"num_layers": DEPTH},
+    "auto:AceStepTransformer1DModel": {"num_hidden_layers": DEPTH},
+    "auto:MiniMaxMusic3Transformer1DModel": {"num_layers": DEPTH},
+    "auto:LongCatAudioDiTTransformer": {"dit_depth": DEPTH},
 }
 
 
@@ -263,14 +287,24 @@ def plot(all_rows: dict[str, list[dict[str, Any]]]) -> str:
 
 def main() -> None:
     torch.set_num_threads(1)
+    args = sys.argv[1:]
+    day0 = args == ["--day0"]  # the builders of the classes with no registry entry: a section of their own
+    if day0:
+        args = [n for n in FAMILIES if n.startswith("auto:")]
     # the transformer families: the UNets (SD, AnimateDiff, SVD) have no blocks for the hooks and cache-dit to compare on
-    wanted = sys.argv[1:] or [n for n in FAMILIES if families.get(FAMILIES[n].family).kind != "unet"]
+    wanted = args or [n for n in FAMILIES if not n.startswith("auto:") and families.get(FAMILIES[n].family).kind != "unet"]
     all_rows = {}
     for name in wanted:
         print(name, flush=True)
         all_rows[name] = family(name)
     text = report(all_rows)
     print(text)
+    if day0:
+        body = (
+            "## Day-0 families: torchfix through the entry it reads off the code, diffusers' hooks and cache-dit\n\n"
+            "`benchmarks/families.py --day0` (issue: day-0 families), as the section above. " + machine() + ", cache-dit 1.5.3.\n\n" + text
+        )
+        write_section("families_day0", body)
     if not sys.argv[1:]:
         body = (
             "## Every family: torchfix, diffusers' hooks and cache-dit\n\n"

@@ -2,7 +2,8 @@
 
 The nodes live in the ``torchfix`` package (``torchfix.comfyui``); install it into ComfyUI's Python
 (``pip install -e /path/to/torchfix``). Where it is not installed, the repository this folder belongs to is used.
-Loading the pack changes nothing process-wide: importing ``torchfix.comfyui`` does not switch torchfix's guards on.
+Loading the pack changes nothing process-wide: it looks torchfix up without importing it, and importing
+``torchfix.comfyui`` does not switch torchfix's guards on (only ``import torchfix`` itself does).
 """
 
 import importlib.util
@@ -11,9 +12,10 @@ import sys
 
 
 def _torchfix_here() -> None:
-    spec = importlib.util.find_spec("torchfix")
+    spec = importlib.util.find_spec("torchfix")  # a top-level name: looked up, not imported
     if spec is not None:
-        if importlib.util.find_spec("torchfix.comfyui") is None:
+        places = spec.submodule_search_locations or []
+        if not any(os.path.isfile(os.path.join(place, "comfyui.py")) for place in places):  # without importing it
             raise ImportError(
                 f"comfyui-torchfix: the 'torchfix' package in this Python ({spec.origin}) is not torchfix-diffusion (Meta's "
                 "TorchFix linter uses the same name). Fix: pip uninstall torchfix, then pip install -e <this repository>."

@@ -238,7 +238,13 @@ def test_import_with_mode_off_patches_nothing():
 
 
 @pytest.mark.parametrize(
-    "statement", ["import torchfix.testing", "from torchfix.comfyui import NODE_CLASS_MAPPINGS", "from torchfix.deepcache import apply"]
+    "statement",
+    [
+        "import torchfix.testing",
+        "from torchfix.comfyui import NODE_CLASS_MAPPINGS",
+        "from torchfix.deepcache import apply",
+        "import importlib; importlib.import_module('torchfix.families')",
+    ],
 )
 def test_importing_a_submodule_does_not_switch_the_guards_on(statement):
     """Only ``import torchfix`` enables (a test helper, the ComfyUI node pack or the cache alone change nothing)."""

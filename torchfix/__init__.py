@@ -4,6 +4,9 @@ and resolution problems just work, and says what it fixed.
 ``import torchfix`` switches the guards on for the process in the mode named by
 ``TORCHFIX_MODE`` (default ``fix``; ``off`` patches nothing). Importing a submodule (``import
 torchfix.testing``, ``from torchfix.comfyui import ...``) does not: call ``torchfix.enable()`` where you want them.
+(Python imports the package first either way; the import system then holds the submodule's import lock, which is
+what tells the two apart. ``importlib.util.find_spec("torchfix.<submodule>")`` imports the package as ``import
+torchfix`` does, so it enables; ``find_spec("torchfix")`` looks the package up without importing it.)
 
 >>> import torchfix
 >>> torchfix.disable()
@@ -111,20 +114,18 @@ def _under_cli() -> bool:
     )
 
 
-def _importing_a_submodule() -> bool:
-    """Whether this import of the package is the first step of importing one of its submodules (``import
-    torchfix.testing``, ``from torchfix.comfyui import ...``): Python runs this file first either way, and only
-    ``import torchfix`` itself switches the guards on. Read off the import machinery's frames (CPython names
-    the module being loaded in ``_find_and_load``); where they cannot be read, the import enables as before."""
-    import sys
+def _importing(name: str) -> bool:
+    """Whether Python is importing module ``name`` (``name`` ending in ``.``: any module under it) right now: the import
+    system holds a module's lock from the moment its import starts, through the import of its parent packages, until
+    it is loaded. Read from importlib's lock table (``_module_locks``), not from frames; where that table cannot be
+    read, ``False``."""
+    from importlib import _bootstrap
 
-    getframe = getattr(sys, "_getframe", None)
-    frame = getframe(1) if getframe is not None else None
-    while frame is not None:
-        if frame.f_code.co_name == "_find_and_load" and str(frame.f_locals.get("name", "")).startswith(__name__ + "."):
-            return True
-        frame = frame.f_back
-    return False
+    locks = getattr(_bootstrap, "_module_locks", None)
+    if not isinstance(locks, dict):
+        return False
+    held = [key for key, ref in list(locks.items()) if isinstance(key, str) and callable(ref) and ref() is not None]
+    return any(key.startswith(name) if name.endswith(".") else key == name for key in held)
 
 
 try:
@@ -133,5 +134,5 @@ except ValueError:
     if not _under_cli():  # a script gets the error at import; the command says it without a traceback
         raise
     _mode = "off"
-if _mode != "off" and not _importing_a_submodule():
+if _mode != "off" and not _importing(__name__ + "."):  # `import torchfix.testing` imports this package first
     enable(_mode)

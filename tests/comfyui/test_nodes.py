@@ -45,6 +45,38 @@ def test_the_pack_loads_through_comfyuis_loader_and_changes_nothing_process_wide
     assert any(m.endswith("comfyui-torchfix") for m in sys.modules)  # ComfyUI's loader imported the folder
 
 
+def test_loading_the_pack_in_a_fresh_comfyui_process_leaves_torch_and_torchfix_as_they_were():
+    """As the server loads it: a fresh process, TORCHFIX_MODE unset, nothing of torchfix imported before ComfyUI's
+    loader runs the pack (which looks torchfix up without importing it, then imports torchfix.comfyui: a submodule's
+    import, which never enables)."""
+    nodes, why = comfyui.load()
+    if nodes is None:
+        pytest.skip(why)
+    folder = os.path.dirname(os.path.abspath(nodes.__file__))  # ComfyUI's root
+    stub = comfyui._stand_in(comfyui._cache() / "stand-in")
+    code = (
+        "import asyncio, sys, torch\n"
+        f"sys.path[:0] = {[p for p in (str(stub) if stub else None, folder) if p]!r}\n"
+        "import comfy.cli_args\n"
+        "comfy.cli_args.args.cpu = True\n"
+        "import nodes\n"
+        "assert not any(m == 'torchfix' or m.startswith('torchfix.') for m in sys.modules)\n"
+        "originals = torch.matmul, torch.nn.functional.linear, torch.Tensor.__matmul__, torch.cat\n"
+        f"loaded = nodes.load_custom_node({str(PACK)!r}, module_parent='custom_nodes')\n"
+        "loaded = asyncio.run(loaded) if asyncio.iscoroutine(loaded) else loaded\n"
+        "import torchfix\n"
+        "assert loaded is True and 'TorchfixCache' in nodes.NODE_CLASS_MAPPINGS\n"
+        "assert (torch.matmul, torch.nn.functional.linear, torch.Tensor.__matmul__, torch.cat) == originals\n"
+        "assert not torchfix.is_enabled() and torchfix.status().patched == ()\n"
+        "x = torch.randn(2, 4); w = torch.randn(3, 4, dtype=torch.float16)\n"
+        "try:\n    torch.nn.functional.linear(x, w)\nexcept RuntimeError:\n    print('torch refused')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFIX_MODE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["torch", "refused"]
+
+
 @pytest.mark.parametrize("mode", ["fix", "strict"])
 def test_guards_leave_a_sound_model_bit_identical(tiny, mode):
     plain = comfyui.sample(tiny)
