@@ -215,3 +215,21 @@ def test_a_config_that_disagrees_with_its_weights_decides_nothing():
     assert not [f for f in torchfix.wrap(pipe).preflight() if f.component == "controlnet"]
     with torchfix.enabled():
         assert torch.equal(latents(pipe, steps=1, image=image), plain)
+
+
+@pytest.mark.parametrize("builder, entry, edited", [("sd15", "cross_attention_dim", 768), ("flux", "joint_attention_dim", 4096)])
+def test_a_denoiser_config_edited_apart_from_its_weights_runs_under_wrap_as_it_runs_plainly(builder, entry, edited):
+    """The width a denoiser reads the text at is its first text-reading layer's (the UNet's attn2.to_k, Flux's
+    context_embedder), not its config's: a config edited after loading (768 where the weights and the text encoder
+    are 32 wide) runs plainly, and must run under wrap() too (it was refused: 'text_encoder output width 32 does not
+    match unet.config.cross_attention_dim=768')."""
+    from torchfix.testing import tiny_flux_pipeline, tiny_sd15_pipeline
+
+    pipe = tiny_sd15_pipeline() if builder == "sd15" else tiny_flux_pipeline()
+    model = pipe.unet if builder == "sd15" else pipe.transformer
+    plain = latents(pipe, steps=2)
+    model.register_to_config(**{entry: edited})
+    assert torch.equal(latents(pipe, steps=2), plain)  # diffusers runs it as it was
+    wrapped = torchfix.wrap(pipe)
+    assert not [f for f in wrapped.preflight() if not f.advisory]
+    assert torch.equal(latents(wrapped, steps=2), plain)

@@ -74,9 +74,47 @@ def denoiser(pipe: Any) -> tuple[str, families.Family] | None:
 
 def expected_widths(pipe: Any) -> dict[str, tuple[int, str]]:
     """The widths the denoiser takes: ``text`` (prompt_embeds) and ``pooled`` (pooled_prompt_embeds), each with
-    the config entries it comes from (its family's registry entry says which)."""
+    where it was read: the layer whose weights read it, else the config entries its family's registry entry names."""
     found = denoiser(pipe)
-    return {} if found is None else found[1].expected_widths(pipe, found[0])
+    if found is None:
+        return {}
+    out: dict[str, tuple[int, str]] = {}
+    for width in found[1].widths:
+        if width.what not in out and (value := _expected(width, pipe, found[0])) is not None:
+            out[width.what] = value
+    return out
+
+
+def _expected(width: families.Width, pipe: Any, name: str) -> tuple[int, str] | None:
+    """The width the denoiser ``name`` takes for ``width``, read from the layer that reads it (the first projection
+    that consumes the encoder's output, :data:`CONDITIONING_WEIGHTS`) where the weights show it, else from the
+    config (``width.expected``): a config edited apart from its weights does not decide. A UNet's text: the width its
+    ``encoder_hid_proj`` or its first cross-attention ``to_k`` reads."""
+    configured = width.expected(pipe, name)
+    entry = width.expects if isinstance(width.expects, str) else ("cross_attention_dim" if width.what == "text" else None)
+    model = getattr(pipe, name, None)
+    found = _weights_width(model, entry) if entry is not None and isinstance(model, torch.nn.Module) else None
+    if found is None:
+        return configured
+    if configured is not None and configured[0] != found[0]:
+        return found[0], f"{name}.{found[1]}={found[0]}, where {configured[1]} says otherwise"
+    return configured if configured is not None else (found[0], f"{name}.{found[1]}={found[0]}")
+
+
+def encoder_width(module: Any, attribute: str = "hidden_size") -> int | None:
+    """The width a text encoder's output has: its hidden states' (``hidden_size``; T5's ``d_model``) as its input
+    embeddings show it, its projection's (``projection_dim``) as ``text_projection`` shows it; else its config
+    (:func:`component_width`)."""
+    if isinstance(module, torch.nn.Module):
+        if attribute == "projection_dim":
+            projection = getattr(module, "text_projection", None)
+            if isinstance(projection, torch.nn.Linear):
+                return projection.out_features
+        else:
+            embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+            if isinstance(embeddings, torch.nn.Embedding):
+                return embeddings.embedding_dim
+    return component_width(module, attribute)
 
 
 _MISMATCH_FIX = "these components come from different models: load the text encoder(s) and the denoiser of one model"
@@ -91,10 +129,10 @@ def _text_encoder_findings(pipe: Any) -> list[Finding]:
     name, family = found
     findings = []
     for width in family.widths:
-        expected = width.expected(pipe, name)
+        expected = _expected(width, pipe, name)
         if expected is None:
             continue
-        feeds = [(n, w) for n in width.feeds if (w := component_width(getattr(pipe, n, None), width.attr)) is not None]
+        feeds = [(n, w) for n in width.feeds if (w := encoder_width(getattr(pipe, n, None), width.attr)) is not None]
         kind = "output" if width.what == "text" else "pooled"
         if not feeds:
             if width.required and all(getattr(pipe, n, None) is None for n in width.feeds):
