@@ -19,7 +19,7 @@ def found() -> list[census.Status]:
 
 
 def test_every_denoiser_class_is_cached_or_refused_with_a_reason(found):
-    assert len(found) >= 40
+    assert len(found) >= 30  # 35 on diffusers 0.35, 75 on 0.42
     for s in found:
         assert s.how in (
             "registered",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidCallError
 from .layout import Layout
 
 __all__ = ["FOLLOWS", "shallow_forward"]
@@ -299,9 +300,9 @@ def _shallow_motion(
     emb = unet.time_embedding(t_emb, timestep_cond)
     if unet.config.addition_embed_type == "text_time":
         if added_cond_kwargs is None or "text_embeds" not in added_cond_kwargs or "time_ids" not in added_cond_kwargs:
-            raise ValueError(
-                f"{type(unet)} has the config param `addition_embed_type` set to 'text_time' which requires the keyword "
-                "arguments `text_embeds` and `time_ids` to be passed in `added_cond_kwargs`"
+            raise InvalidCallError(  # as diffusers' own forward refuses it (a ValueError too)
+                f"torchfix.deepcache: {type(unet).__name__} has the config param `addition_embed_type` set to 'text_time', "
+                "which requires the keyword arguments `text_embeds` and `time_ids` in `added_cond_kwargs`; pass both."
             )
         text_embeds = added_cond_kwargs["text_embeds"]
         time_embeds = unet.add_time_proj(added_cond_kwargs["time_ids"].flatten()).reshape((text_embeds.shape[0], -1))
@@ -309,9 +310,9 @@ def _shallow_motion(
     emb = emb.repeat_interleave(num_frames, dim=0, output_size=emb.shape[0] * num_frames)
     if unet.encoder_hid_proj is not None and unet.config.encoder_hid_dim_type == "ip_image_proj":
         if added_cond_kwargs is None or "image_embeds" not in added_cond_kwargs:
-            raise ValueError(
-                f"{type(unet)} has the config param `encoder_hid_dim_type` set to 'ip_image_proj' which requires the "
-                "keyword argument `image_embeds` to be passed in  `added_conditions`"
+            raise InvalidCallError(  # as diffusers' own forward refuses it (a ValueError too)
+                f"torchfix.deepcache: {type(unet).__name__} has the config param `encoder_hid_dim_type` set to "
+                "'ip_image_proj', which requires the keyword argument `image_embeds` in `added_cond_kwargs`; pass it."
             )
         image_embeds = unet.encoder_hid_proj(added_cond_kwargs["image_embeds"])
         image_embeds = [e.repeat_interleave(num_frames, dim=0, output_size=e.shape[0] * num_frames) for e in image_embeds]

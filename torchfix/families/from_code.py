@@ -278,17 +278,21 @@ def _read_class(cls: type, block_params: tuple[tuple[str, tuple[str, ...], bool]
     return Reading(tuple(loops))
 
 
+def _signature(module: torch.nn.Module) -> inspect.Signature:
+    """The class's own ``forward`` signature without ``self`` (what its code says, whatever wraps the instance)."""
+    sig = inspect.signature(inspect.unwrap(type(module).forward))
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
 def _block_lists(model: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
     """``(attribute, block parameters, takes *args)`` for each ``ModuleList`` attribute of two or more modules of
     one class (the repeated blocks)."""
-    from ..patches import instance
-
     found = []
     for attr, child in model.named_children():
         if not isinstance(child, torch.nn.ModuleList) or len(child) < 1 or len({type(b) for b in child}) != 1:
             continue
         try:
-            sig = inspect.signature(instance.forward_source(child[0]))
+            sig = _signature(child[0])
         except (TypeError, ValueError):
             continue
         params = tuple(p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
@@ -308,9 +312,7 @@ def is_inferred(family: Family) -> bool:
 
 
 def _parameters(model: torch.nn.Module) -> list[str]:
-    from ..patches import instance
-
-    sig = inspect.signature(instance.forward_source(model))
+    sig = _signature(model)
     return [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
