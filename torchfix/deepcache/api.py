@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from .. import families
+from .. import _warn, families
 from .._frames import uncompiled
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError, UnsupportedModelError
+from ..errors import InvalidArgumentTypeError, UnsupportedModelError
 from ..families import DENOISERS
 from ..patches import libraries
-from . import comfy_unet, engine, streams
+from . import comfy_unet, engine, mechanisms, streams
 from ._graphs import forget_compiled
-from .blocks import BlockState, TransformerLayout, apply_transformer, check_transformer
+from .blocks import BlockState, TransformerLayout
 from .config import DeepCacheConfig, corrects, for_family, warms_up
 from .engine import CacheState
 from .layout import Layout, analyse
-from .unet import UNetState, apply_unet
+from .unet import UNetState
 
 __all__ = [
     "DENOISERS",
@@ -104,23 +104,11 @@ def _family(model: torch.nn.Module) -> families.Family:
 
 
 def _check_one(model: torch.nn.Module, config: DeepCacheConfig) -> Layout | TransformerLayout | comfy_unet.ComfyLayout:
+    """What ``model``'s mechanism needs, checked before anything is installed; an option of another mechanism
+    refused."""
     family = _family(model)
-    if family.kind == "transformer":
-        return check_transformer(model, for_family(config, family))
-    if family.host == "comfyui":
-        return comfy_unet.check(model, config)
-    layout = analyse(model)
-    if config.revise is True:
-        raise InvalidArgumentError(
-            f"torchfix.deepcache: revise=True, but {type(model).__name__} is a UNet; revising cached steps needs a transformer "
-            "whose cached blocks end the chain (Flux) and a flow-matching Euler scheduler. Leave revise=None."
-        )
-    if config.branch >= layout.n_skips:
-        raise InvalidArgumentError(
-            f"torchfix.deepcache: branch={config.branch} but {type(model).__name__} has {layout.n_skips} skip connections "
-            f"(branch 0..{layout.n_skips - 1})."
-        )
-    return layout
+    mechanisms.refuse_foreign(model, family, config)
+    return mechanisms.of(family).check(model, config, family)
 
 
 def check(target: Any, config: DeepCacheConfig) -> Layout | TransformerLayout:
@@ -274,12 +262,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
                 type(model).__name__,
                 family.describe(),
             )
-        if isinstance(layout, TransformerLayout):
-            state: CacheState = apply_transformer(model, filled, layout)
-        elif isinstance(layout, comfy_unet.ComfyLayout):
-            state = comfy_unet.apply(model, family, filled, layout)
-        else:
-            state = apply_unet(model, family, filled, layout)
+        state: CacheState = mechanisms.of(family).install(model, family, filled, layout)
         state.scope = scope
         streams.follow_scheduler(state, pipe)
         _STATES[model] = state
@@ -347,6 +330,14 @@ def at_loop_start(pipe: Any) -> None:
         return
     if all(model in _STATES for _, model in found):
         return
+    config, dropped = mechanisms.without_foreign(config, _family(found[0][1]))
+    if dropped:  # one process-wide config meets every pipeline: an option of another mechanism is left out, loudly
+        _warn.once(
+            ("auto-foreign", type(pipe).__name__, tuple(dropped)),
+            f"torchfix.deepcache.auto: {', '.join(dropped)} left out for {type(pipe).__name__}: its denoiser's cache has no "
+            "such option (torchfix.deepcache.mechanisms).",
+            stacklevel=3,
+        )
     apply(pipe, config)
     new_call(pipe)
     row: list[Any] = [type(pipe).__name__, list(states_of(pipe).values()), 0, 0]
