@@ -213,6 +213,31 @@ def test_a_signature_other_than_the_entrys_is_refused_before_anything_is_cached(
     assert same(denoise(model, tiny)[0], ref)
 
 
+# What every family's cache does on its tiny builder (random weights) at interval 3 over 8 steps: at least 1.5x less
+# denoiser work, final latents within rel-L2 0.05 of the uncached run. Where a family cannot meet the error on random
+# weights, the reason, measured (the cache is not what fails it): the test then expects it to fail (strict: a fix shows).
+DRIFTS_ON_RANDOM_WEIGHTS = {
+    "zimage": "its blocks' updates are gated by tanh(W·t_emb) alone, and a random time embedder is white noise between "
+    "steps 1/8 apart (the 1000-scaled sinusoid's fast frequencies alias): the residual changes 72% a step (peers 5-47%). "
+    "With those frequencies weighted down, as a trained embedder does, the same cache drifts 0.011 (mean of 6 seeds)",
+}
+
+
+def test_interval_3_saves_a_third_of_the_work_and_stays_close(tiny, model):
+    from torchfix.testing import flops
+
+    runs: list = []
+    plain = flops(lambda: runs.append(denoise(model, tiny)))
+    torchfix.deepcache.apply(model, CFG)
+    cached = flops(lambda: runs.append(denoise(model, tiny)))
+    assert plain / cached >= 1.5, f"{tiny.key}: {plain / cached:.2f}x less work"
+    error = rel(flat([runs[1].latents])[0], flat([runs[0].latents])[0])
+    if tiny.key in DRIFTS_ON_RANDOM_WEIGHTS and error > 0.05:
+        pytest.xfail(f"rel-L2 {error:.4f}: {DRIFTS_ON_RANDOM_WEIGHTS[tiny.key]}")
+    assert error <= 0.05, f"{tiny.key}: rel-L2 {error:.4f}"
+    assert tiny.key not in DRIFTS_ON_RANDOM_WEIGHTS, f"{tiny.key} now stays close (rel-L2 {error:.4f}): drop it from the list"
+
+
 # Compiling costs 7-26 s a family (dynamo traces each kind of step), so make test compiles one builder per kind of
 # block signature; TORCHFIX_COMPILE_EVERY_FAMILY=1 compiles all of them (do that when adding a family). The UNet and
 # Flux.1 compile in tests/deepcache/test_deepcache.py, test_real_setups.py and test_transformer.py.

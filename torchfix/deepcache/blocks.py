@@ -45,7 +45,7 @@ from .._frames import hiding_frames, under_dynamo
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
-from . import engine, parallel, streams
+from . import engine, parallel, prompt_only, streams
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig, corrects, for_family, warms_up
 from .forecast import forecast, interpolate, per_sample
@@ -266,6 +266,9 @@ class BlockState(engine.CacheState):
     conditioning: torch.Tensor | None = None  # the conditioning a cached step's norm got
     revised_steps: int = 0
     path: frozenset = frozenset()  # the call path being verified
+    prompt_only_names: tuple[str, ...] = ()  # the family's prompt-only modules found on the model
+    prompt_only_calls: dict[str, int] = field(default_factory=dict)  # calls of each in the call in progress
+    prompt_only_reused: int = 0  # their calls a cached step answered with a full step's output
 
     def may_revise(self) -> bool:
         return self.cannot_revise is None
@@ -278,8 +281,13 @@ class BlockState(engine.CacheState):
     def describe(self) -> str:
         if self.chain is not None or self.chains:
             chain = self.chain or next(iter(self.chains.values()))
-            return chain.describe(self.layout) + f" (keep_first={self.config.keep_first}, keep_last={self.config.keep_last})"
-        return self.layout.describe(self.config.keep_first, self.config.keep_last) + " (the call order is checked at the first call)"
+            described = chain.describe(self.layout) + f" (keep_first={self.config.keep_first}, keep_last={self.config.keep_last})"
+        else:
+            described = self.layout.describe(self.config.keep_first, self.config.keep_last)
+            described += " (the call order is checked at the first call)"
+        if self.prompt_only_names:
+            described += f"; prompt-only, reused on cached steps: {', '.join(self.prompt_only_names)}"
+        return described
 
 
 # --- reading a block's arguments and outputs -------------------------------------------------------------------
@@ -651,7 +659,7 @@ def _begin(state: BlockState, arguments: dict[str, Any]) -> str:
     mode = engine.decide(
         state, arguments.get(family.latent), arguments.get(family.prompt) if family.prompt else None, arguments, verified=chain is not None
     )
-    state.chain, state.cursor, state.inputs = chain, 0, {}
+    state.chain, state.cursor, state.inputs, state.prompt_only_calls = chain, 0, {}, {}
     # Under torch.compile some blocks run inside graphs (their Python never runs) and others, past a graph break or
     # dynamo's recompile limit, eagerly: the call order can only be checked where every block runs eagerly.
     state.eager = not under_dynamo()
@@ -902,6 +910,7 @@ def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: T
     state_ref = weakref.ref(state)
     for position, (block, spec) in enumerate(zip(layout.blocks, layout.specs)):
         state.handles.append(instance.wrap_forward(block, HOOK_NAME + "_block", _block_forward(state_ref, position, block, spec)))
+    state.prompt_only_names = tuple(prompt_only.install(state, model, layout.family.prompt_only))
     state.handles.append(
         instance.wrap_forward(model, HOOK_NAME, _model_forward(state), reset=state.reset, on_context=engine.context_listener(state_ref))
     )

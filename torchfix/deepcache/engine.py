@@ -67,6 +67,9 @@ class Stream:
     # where cached steps are revised: per cached step since the last full one, (step, the image stream entering the
     # cached blocks, the conditioning the output layers got, the model's output, the sensitivity used)
     since_full: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)
+    # per (prompt-only module, call of the step): what it got and returned when it last ran, and the output's tensors
+    # with their markers (:mod:`torchfix.deepcache.prompt_only`)
+    prompt_only: dict[tuple[str, int], tuple[list, Any, list]] = field(default_factory=dict)
 
     def run_history(self, run: int = 0) -> list[tuple[int, Value]]:
         """``(step, value)`` of run ``run``'s last full steps, oldest first."""
@@ -92,6 +95,7 @@ class Stream:
         held = [t for h in self.histories.values() for _, v in h for t in (v if isinstance(v, tuple) else (v,)) if t is not None]
         held += [self.reference] if self.reference is not None else []
         held += [t for record in self.since_full for t in record[1:4]]
+        held += [t for given, _, outputs in self.prompt_only.values() for t, _ in given + outputs if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in held)
 
 

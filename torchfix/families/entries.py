@@ -311,6 +311,7 @@ register(
         blocks=(single("layers", "x"),),
         latent="x",
         prompt="cap_feats",
+        prompt_only=("cap_embedder", "context_refiner"),  # the caption's refiner takes no timestep
         pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline"),
     )
 )
@@ -368,6 +369,7 @@ register(
         "HunyuanVideo 1.5",
         ("HunyuanVideo15Transformer3DModel",),
         blocks=(joint("transformer_blocks", ("image", "text")),),
+        prompt_only=("context_embedder_2", "image_embedder"),  # the ByT5 text and the image projections
         pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
     )
 )

@@ -170,6 +170,10 @@ class Family:
             ``cache_context`` (``None``: there is none).
         keep_first, keep_last: blocks at the start and the end of the chain that always run, by default.
         full_only: more arguments that make a call run in full (beside :data:`FULL_ONLY`).
+        prompt_only: modules (attribute paths; a ``ModuleList``: each of its modules) whose output depends on the
+            prompt alone: text projections and text refiners that take no timestep. A cached step that calls one
+            with what it got when it last ran in the stream reuses what it returned then (checked on every call:
+            :mod:`torchfix.deepcache.prompt_only`); they run on every full step.
         tail: ``(norm, proj)`` where the model's output is ``proj(norm(h, conditioning))`` of the last block's
             image stream: the cache may then revise its cached steps (checked on the first call).
         defaults: :class:`torchfix.DeepCacheConfig` fields this family leaves ``None`` by default.
@@ -198,6 +202,7 @@ class Family:
     keep_first: int = 0
     keep_last: int = 0
     full_only: tuple[str, ...] = ()
+    prompt_only: tuple[str, ...] = ()
     tail: tuple[str, str] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     widths: tuple[Width, ...] = ()
