@@ -4,7 +4,7 @@ force here, where the range comes from, and what torchfix does about it (the pat
 :mod:`torchfix.patches.libraries`). Pure: nothing here imports the library or patches it.
 
 >>> [row.issue for row in ROWS][1:]
-['vladmandic/sdnext#2193', 'torchfix: diffusers cache state after an interrupted call']
+['vladmandic/sdnext#2193', 'torchfix: diffusers cache state after an interrupted call', 'huggingface/diffusers#14829']
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from .known_issues import _in_range, _span, parse_version
 
-__all__ = ["CACHE_STATE", "CP_ON_CPU", "ROWS", "VAE_OVERFLOW", "LibraryIssue", "cpu_build", "explain", "stale"]
+__all__ = ["CACHE_STATE", "CP_ON_CPU", "ROWS", "TAYLORSEER_SHAPES", "VAE_OVERFLOW", "LibraryIssue", "cpu_build", "explain", "stale"]
 
 
 def cpu_build() -> bool:
@@ -163,7 +163,33 @@ ROWS: tuple[LibraryIssue, ...] = (
         ),
         version_min="0.33.0",
     ),
+    LibraryIssue(
+        library="diffusers",
+        where="diffusers.hooks.taylorseer_cache:TaylorSeerState.update",
+        issue="huggingface/diffusers#14829",
+        description=(
+            "TaylorSeer differences each computed output against the previous computed output of the same module, "
+            "whatever its shape: where that shape changes within a generation (Qwen-Image 2.1 with its default KV "
+            "cache: the prefill step's proj_out returns text + image tokens, later steps image tokens only) the second "
+            "step crashes ('The size of tensor a (1024) must match the size of tensor b (1038)')"
+        ),
+        fix=(
+            "what the maintainers' fix (huggingface/diffusers#14831) does: an output whose shape differs from the one "
+            "the state holds starts its Taylor expansion again at order 0 (a new stream), recorded as an event; where "
+            "shapes do not change, diffusers' own update runs untouched (bit-identical)"
+        ),
+        basis=(
+            "the released wheels: TaylorSeer came in 0.36.0 (0.35.2 has no hooks/taylorseer_cache.py); 0.36.0 to "
+            "0.40.0 difference without a shape check; 0.41.0 (the first release with QwenImage21Pipeline), 0.42.0 and "
+            "0.42.1 carry #14831's check (`prev.shape != new_factors[j].shape`), so the installed 0.42.1 needs no "
+            "patch. A source build of main between Qwen-Image 2.1's merge and the fix's (the report's: main at cc8644b) is "
+            "a 0.40.0.dev0 or 0.41.0.dev0, both below 0.41.0: covered; a dev build after the fix is patched too, where "
+            "the patch changes nothing (it restarts the outputs the fix restarts, before the fix looks)"
+        ),
+        version_min="0.36.0",
+        version_max="0.41.0",
+    ),
 )
 
 # The rows by what they are about (the patches name them so, never by position).
-CP_ON_CPU, VAE_OVERFLOW, CACHE_STATE = ROWS
+CP_ON_CPU, VAE_OVERFLOW, CACHE_STATE, TAYLORSEER_SHAPES = ROWS

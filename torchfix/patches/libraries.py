@@ -302,12 +302,65 @@ def _handing_over(original: Any) -> Any:
     return encode_prompt
 
 
+@torch.compiler.disable
+def _restart(state: Any, changed: list[tuple[int, Any, Any]]) -> None:
+    """Drop the Taylor factors of the outputs whose shape changed (diffusers' ``update`` then starts them at order 0,
+    as its own check does from 0.41 on) and record it: an event, a log line, a warning in ``warn`` mode."""
+    for i, _, _ in changed:
+        state.taylor_factors.pop(i, None)
+    chain = _frames.module_chain(2)
+    module = _frames.module_path(chain) if chain else None
+    where = module or "a module"
+    shapes = "; ".join(f"output {i}: {tuple(a)} → {tuple(b)}" for i, a, b in changed)
+    detail = (
+        f"diffusers' TaylorSeer cache on {where} met features of another shape than it holds ({shapes}): the Taylor "
+        "expansion starts again at order 0 there, as diffusers 0.41+ does (huggingface/diffusers#14831), instead of "
+        "differencing across the two shapes (huggingface/diffusers#14829: 'The size of tensor a ... must match')"
+    )
+    change = "; ".join(f"{tuple(a)}→{tuple(b)}" for _, a, b in changed)
+    site = _frames.call_site(2)
+    report().add(FixEvent("torchfix", "cache", "restart", site, module, detail, change=change))
+    log.info("torchfix: %s", detail)
+    if _context.current().mode == "warn":
+        _warn.once(("taylorseer-shape", module, change), f"torchfix: {detail}.", site=site)
+
+
+def _restarting_on_new_shapes(original: Any) -> Any:
+    """``TaylorSeerState.update`` of a diffusers without huggingface/diffusers#14831: an output whose shape differs
+    from the factors the state holds for it starts a new expansion (its factors dropped first, so diffusers' own
+    update computes order 0 alone: what the fix's ``prev.shape != new_factors[j].shape`` break computes); every
+    other call, and every call where torchfix is off, is diffusers' own update untouched."""
+
+    @functools.wraps(original)
+    def update(self: Any, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        factors = getattr(self, "taylor_factors", None)
+        # as diffusers' own check: only after a first update, and never where it raises (a repeated step) first
+        if (
+            factors
+            and not getattr(self, "is_inactive", False)
+            and self.last_update_step is not None
+            and self.current_step != self.last_update_step
+            and _context.current().active
+        ):
+            changed = [
+                (i, held.shape, features.shape)
+                for i, features in enumerate(outputs)
+                if (held := factors.get(i, {}).get(0)) is not None and held.shape != features.shape
+            ]
+            if changed:
+                _restart(self, changed)
+        return original(self, outputs, *args, **kwargs)
+
+    return update
+
+
 # patch label -> Patch, for the rows in force
 _PATCHES: dict[str, Patch] = {}
 _AUTOENCODERS = "diffusers.models.autoencoders."
 _CACHES = "diffusers.models.cache_utils"
 _PIPELINES = "diffusers.pipelines.pipeline_utils"
 _PIPELINE_MODULES = "diffusers.pipelines."
+_TAYLORSEER = "diffusers.hooks.taylorseer_cache"
 
 
 def _version() -> str | None:
@@ -351,6 +404,9 @@ def _patch_module(name: str) -> None:
         _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
         _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
         _patch(owner, "_reset_stateful_cache", "diffusers CacheMixin._reset_stateful_cache", _marking_clean)
+    if name == _TAYLORSEER and _in_force(li.TAYLORSEER_SHAPES):
+        owner = getattr(module, "TaylorSeerState", None)
+        _patch(owner, "update", "diffusers TaylorSeerState.update", _restarting_on_new_shapes)
     if name == _PIPELINES:  # the import-mode preflight, and the cache row's loop-start reset (a no-op without its watch)
         _patch(getattr(module, "DiffusionPipeline", None), "progress_bar", "diffusers DiffusionPipeline.progress_bar", _fresh_loop)
     if name.startswith(_PIPELINE_MODULES):  # each pipeline class that defines encode_prompt (its noise follows its output)
@@ -364,7 +420,7 @@ def _patch_module(name: str) -> None:
 
 
 def _watched(name: str) -> bool:
-    return name in (_MODULE, _CACHES, _PIPELINES) or name.startswith((_AUTOENCODERS, _PIPELINE_MODULES))
+    return name in (_MODULE, _CACHES, _PIPELINES, _TAYLORSEER) or name.startswith((_AUTOENCODERS, _PIPELINE_MODULES))
 
 
 # the watched modules seen loaded, and how many modules were loaded at the last look (a look is a scan of
