@@ -31,7 +31,8 @@ Parts (``--only part,part``; ``env`` always runs):
   time, bit-identity;
 - ``day0``: two denoisers with no registry entry at their default (full) size, bare, a flow-matching Euler loop:
   Qwen-Image 2.1 (7.1B, its KV cache on, as its pipeline runs it) and Flux 3 (5.5B): plain, torchfix's cache through
-  the entry it reads off their code, diffusers' TaylorSeer (Qwen-Image 2.1: diffusers#14829's crash).
+  the entry it reads off their code, diffusers' TaylorSeer (its hook state reset before each run, as a pipeline's
+  call does).
 
 Writes ``gpu.json`` (device, driver, versions, torchfix's commit, every figure; rewritten after every row) and
 ``gpu.md`` (the tables) to ``--out`` (default ``$OUT``), and the "gpu" section of docs/benchmarks.md (not with
@@ -565,6 +566,8 @@ def _euler(model: torch.nn.Module, arguments: dict[str, Any], latent: str, steps
     """A bare denoiser's flow-matching Euler loop (timesteps 1 -> 0), a new generation for torchfix's cache each run;
     ``extra(i)``: per-step arguments (a KV cache's mode)."""
     torchfix.deepcache.new_call(model)
+    if getattr(model, "_diffusers_hook", None) is not None:  # diffusers' cache hooks keep state across calls: a new run
+        model._reset_stateful_cache()  # as a pipeline's call does (its TaylorSeer otherwise meets the last run's shapes)
     x = arguments[latent]
     with torch.no_grad():
         for i in range(steps):
