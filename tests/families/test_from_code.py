@@ -311,3 +311,30 @@ def test_roles_come_from_the_models_names_first():
         "control",
         "image",
     ]
+
+
+def test_the_text_side_of_a_day0_model_is_reused_exactly_on_cached_steps(monkeypatch):
+    """HunyuanImage 2.1's byT5 mapper (``context_embedder_2``) is 91% of its tiny config's step and depends on the
+    prompt alone: the read entry names it prompt-only, and cached steps reuse its output, bit-identically."""
+    import dataclasses
+
+    from torchfix.families import from_code
+
+    tiny = FAMILIES["auto:HunyuanImageTransformer2DModel"]
+    if (why := tiny.unavailable()) is not None:
+        pytest.skip(why)
+    model = tiny.build()
+    assert "context_embedder_2" in families.infer(model).prompt_only
+    state = torchfix.deepcache.apply(model, CFG)
+    try:
+        reused = denoise(model, tiny)
+        assert state.prompt_only_reused > 0
+    finally:
+        torchfix.deepcache.remove(model)
+    read = from_code.infer
+    monkeypatch.setattr(from_code, "infer", lambda m: dataclasses.replace(read(m), prompt_only=()))
+    torchfix.deepcache.apply(model, CFG)
+    try:
+        assert torch.equal(_latents(denoise(model, tiny)), _latents(reused))
+    finally:
+        torchfix.deepcache.remove(model)

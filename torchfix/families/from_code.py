@@ -360,6 +360,14 @@ def infer(model: torch.nn.Module) -> Family:
     prompt = next((p for p in params if p == "encoder_hidden_states"), None) or next((p for p in params if role(p) == "text"), None)
     last = getattr(model, cached[-1].attr)[-1]
     keep_last = 1 if getattr(last, "context_pre_only", False) else 0
+    lists = {b.attr for b in cached}
+    # The text side's modules (a text projection, a text refiner, text-only block lists): a cached step reuses what they
+    # returned where they get the very same inputs (torchfix.deepcache.prompt_only checks that on every call).
+    prompt_only = tuple(
+        attr
+        for attr, _ in model.named_children()
+        if attr not in lists and role(attr) == "text" and not any(t in attr for t in ("time", "temb", "timestep"))
+    )
     return Family(
         PREFIX + name,
         f"{name} (read off its code)",
@@ -369,6 +377,7 @@ def infer(model: torch.nn.Module) -> Family:
         prompt=prompt,
         keep_last=keep_last,
         pipelines=(),
+        prompt_only=prompt_only,
     )
 
 
