@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .tiny import Call, Tiny, _text, _video
+from .tiny import LTX2, Call, Tiny, _text, _video
 
 __all__ = ["TINY", "UNBUILDABLE"]
 
@@ -293,24 +293,7 @@ def _consisid_inputs(c: Call) -> dict[str, Any]:
 
 # --- SANA-WM stage-2 refiner (LTX-2 layout) ----------------------------------------------------------------------
 
-_SANA_WM_REFINER = {
-    "in_channels": 4,
-    "out_channels": 4,
-    "patch_size": 1,
-    "patch_size_t": 1,
-    "num_attention_heads": 2,
-    "attention_head_dim": 8,
-    "cross_attention_dim": 16,
-    "audio_in_channels": 4,
-    "audio_out_channels": 4,
-    "audio_num_attention_heads": 2,
-    "audio_attention_head_dim": 4,
-    "audio_cross_attention_dim": 8,
-    "num_layers": 2,
-    "qk_norm": "rms_norm_across_heads",
-    "caption_channels": 16,
-    "rope_double_precision": False,
-}
+_SANA_WM_REFINER = LTX2  # the LTX-2 layout
 
 
 def _refiner_rope(config: dict[str, Any], frames: list[int], h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .tiny import ADDED_IN, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
+from .tiny import ADDED_IN, LTX2, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
 
 __all__ = ["ADDED_IN", "FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
 
@@ -681,24 +681,7 @@ _TINY = [
     Tiny(
         "ltx2",
         "LTX2VideoTransformer3DModel",
-        {
-            "in_channels": 4,
-            "out_channels": 4,
-            "patch_size": 1,
-            "patch_size_t": 1,
-            "num_attention_heads": 2,
-            "attention_head_dim": 8,
-            "cross_attention_dim": 16,
-            "audio_in_channels": 4,
-            "audio_out_channels": 4,
-            "audio_num_attention_heads": 2,
-            "audio_attention_head_dim": 4,
-            "audio_cross_attention_dim": 8,
-            "num_layers": 2,
-            "qk_norm": "rms_norm_across_heads",
-            "caption_channels": 16,
-            "rope_double_precision": False,
-        },
+        LTX2,
         lambda c: {
             "hidden_states": c.randn(c.batch, c.frames * c.size[0] * c.size[1], 4),
             "audio_hidden_states": c.randn(c.batch, 9, 4),

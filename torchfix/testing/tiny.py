@@ -16,7 +16,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["ADDED_IN", "Call", "Size", "Tiny"]
+__all__ = ["ADDED_IN", "LTX2", "Call", "Size", "Tiny"]
+
+# LTX-2's tiny config (diffusers' test sizes): the ltx2 builder's, and the SANA-WM refiner's (an LTX-2 layout)
+LTX2: dict[str, Any] = {
+    "in_channels": 4,
+    "out_channels": 4,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 16,
+    "audio_in_channels": 4,
+    "audio_out_channels": 4,
+    "audio_num_attention_heads": 2,
+    "audio_attention_head_dim": 4,
+    "audio_cross_attention_dim": 8,
+    "num_layers": 2,
+    "qk_norm": "rms_norm_across_heads",
+    "caption_channels": 16,
+    "rope_double_precision": False,
+}
 
 Size = tuple[int, int]
 
