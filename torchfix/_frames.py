@@ -28,6 +28,7 @@ __all__ = [
     "module_chain",
     "module_path",
     "name_root",
+    "outside_graphs",
     "owner",
     "traceback_filtering",
     "uncompiled",
@@ -199,6 +200,24 @@ def _root(chain: list[torch.nn.Module], frame: FrameType | None) -> tuple[torch.
         return chain[-1], "", None
     pipe = _ROOT_PIPES.get(root)
     return root, _ROOT_NAMES.get(root, ""), None if pipe is None else pipe()
+
+
+def outside_graphs(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)``, made when dynamo first traces a call to ``fn``: decorating at import time would
+    import torch._dynamo (and Triton) with torchfix, ~1.3-1.8 s. In eager ``fn`` runs directly; while dynamo traces,
+    the call to ``torch.compiler.disable`` itself is a graph break that runs eagerly once, and every trace after that
+    calls the disabled function."""
+    disabled: list[Any] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper
 
 
 def under_dynamo(depth: int = 1000) -> bool:

@@ -302,7 +302,7 @@ def _handing_over(original: Any) -> Any:
     return encode_prompt
 
 
-@torch.compiler.disable
+@_frames.outside_graphs  # not torch.compiler.disable at import: that imports torch._dynamo (and Triton) with torchfix
 def _restart(state: Any, changed: list[tuple[int, Any, Any]]) -> None:
     """Drop the Taylor factors of the outputs whose shape changed (diffusers' ``update`` then starts them at order 0,
     as its own check does from 0.41 on) and record it: an event, a log line, a warning in ``warn`` mode."""
