@@ -285,8 +285,8 @@ def _signature(module: torch.nn.Module) -> inspect.Signature:
 
 
 def _block_lists(model: torch.nn.Module) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
-    """``(attribute, block parameters, takes *args)`` for each ``ModuleList`` attribute of two or more modules of
-    one class (the repeated blocks)."""
+    """``(attribute, block parameters, takes *args)`` for each ``ModuleList`` attribute whose modules are all of one
+    class (the repeated blocks; the first call checks that each is called once)."""
     found = []
     for attr, child in model.named_children():
         if not isinstance(child, torch.nn.ModuleList) or len(child) < 1 or len({type(b) for b in child}) != 1:
