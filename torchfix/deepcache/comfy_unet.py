@@ -82,12 +82,7 @@ def analyse(unet: torch.nn.Module) -> ComfyLayout:
 
 def check(unet: torch.nn.Module, config: DeepCacheConfig) -> ComfyLayout:
     """The layout, after checking that ``config`` fits it."""
-    layout = analyse(unet)
-    if config.revise is True:
-        raise InvalidArgumentError(
-            f"torchfix.deepcache: revise=True, but ComfyUI's {type(unet).__name__} is a UNet; revising cached steps needs a "
-            "transformer whose cached blocks end the chain. Leave revise=None."
-        )
+    layout = analyse(unet)  # revise, keep_first, ...: refused before this, by torchfix.deepcache.mechanisms
     if not 0 <= config.branch <= layout.n_skips - 2:
         raise InvalidArgumentError(
             f"torchfix.deepcache: branch={config.branch} but ComfyUI's {type(unet).__name__} has {layout.n_skips} skip "
