@@ -566,8 +566,9 @@ def _euler(model: torch.nn.Module, arguments: dict[str, Any], latent: str, steps
     """A bare denoiser's flow-matching Euler loop (timesteps 1 -> 0), a new generation for torchfix's cache each run;
     ``extra(i)``: per-step arguments (a KV cache's mode)."""
     torchfix.deepcache.new_call(model)
-    if getattr(model, "_diffusers_hook", None) is not None:  # diffusers' cache hooks keep state across calls: a new run
-        model._reset_stateful_cache()  # as a pipeline's call does (its TaylorSeer otherwise meets the last run's shapes)
+    reset = getattr(model, "_reset_stateful_cache", None)  # diffusers' CacheMixin (Flux 3 has none)
+    if reset is not None and getattr(model, "_diffusers_hook", None) is not None:
+        reset()  # its cache hooks keep state across calls: a new run starts afresh, as a pipeline's call does
     x = arguments[latent]
     with torch.no_grad():
         for i in range(steps):
@@ -579,6 +580,16 @@ def _euler(model: torch.nn.Module, arguments: dict[str, Any], latent: str, steps
     return x
 
 
+def _day0_model(rig: Rig, cls: type) -> tuple[torch.nn.Module, torch.dtype]:
+    """A day-0 denoiser at its default (full) size in bfloat16, or its tiny builder's config in float32 (``--small``)."""
+    from torchfix.testing.families import FAMILIES
+
+    dtype = torch.float32 if rig.small else torch.bfloat16
+    with building(rig, dtype):
+        model = cls(**FAMILIES["auto:" + cls.__name__].config) if rig.small else cls()
+    return model.eval(), dtype
+
+
 def qwen21_bench(rig: Rig) -> Bench:
     """Qwen-Image 2.1's transformer (32 blocks, 32 heads x 128: 7.1B; its default config), 1024x1024 (4,096 image
     tokens, 256 text tokens), with its pipeline's KV cache (the first step prefills the text, later steps run the
@@ -586,12 +597,7 @@ def qwen21_bench(rig: Rig) -> Bench:
     from diffusers import QwenImage21Transformer2DModel
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-    from torchfix.testing.families import FAMILIES
-
-    dtype = torch.float32 if rig.small else torch.bfloat16
-    tiny = FAMILIES["auto:QwenImage21Transformer2DModel"]
-    with building(rig, dtype):
-        model = (QwenImage21Transformer2DModel(**tiny.config) if rig.small else QwenImage21Transformer2DModel()).eval()
+    model, dtype = _day0_model(rig, QwenImage21Transformer2DModel)
     c = model.config
     h = w = 4 if rig.small else 64
     text = 8 if rig.small else 256
@@ -621,13 +627,9 @@ def flux3_bench(rig: Rig) -> Bench:
     512 text tokens); or the tiny builder. No registry entry: torchfix reads one off its code."""
     from diffusers import Flux3Transformer2DModel
 
-    from torchfix.testing.families import FAMILIES
     from torchfix.testing.tiny import _ids
 
-    dtype = torch.float32 if rig.small else torch.bfloat16
-    tiny = FAMILIES["auto:Flux3Transformer2DModel"]
-    with building(rig, dtype):
-        model = (Flux3Transformer2DModel(**tiny.config) if rig.small else Flux3Transformer2DModel()).eval()
+    model, dtype = _day0_model(rig, Flux3Transformer2DModel)
     c = model.config
     h = w = 4 if rig.small else 64
     text = 12 if rig.small else 512
