@@ -222,6 +222,16 @@ def _steps(model: torch.nn.Module, steps: int = 8) -> list[torch.Tensor]:
     return [*outs, x]
 
 
+def _plain_and_cached(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """:func:`_steps` plain, then with the cache (CFG), and the cache's stats; the model is left plain."""
+    plain = _steps(model)
+    torchfix.deepcache.apply(model, CFG)
+    try:
+        return plain, _steps(model), torchfix.deepcache.stats(model)
+    finally:
+        torchfix.deepcache.remove(model)
+
+
 def _seeded(cls: type) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -232,13 +242,7 @@ def test_a_day0_chain_is_read_verified_and_cached():
     model = _seeded(Chain)
     family = families.infer(model)
     assert family.describe() == "blocks(hidden_states=image) -> image" and family.name == "auto:Chain"
-    plain = _steps(model)
-    torchfix.deepcache.apply(model, CFG)
-    try:
-        cached = _steps(model)
-        s = torchfix.deepcache.stats(model)
-    finally:
-        torchfix.deepcache.remove(model)
+    plain, cached, s = _plain_and_cached(model)
     assert (s["family"], s["full_steps"], s["cached_steps"]) == ("auto:Chain", 3, 5)
     assert torch.equal(cached[0], plain[0]) and not torch.equal(cached[1], plain[1])
     assert ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
@@ -265,26 +269,14 @@ def test_what_cannot_be_read_is_refused_at_apply_naming_what_was_found(model, fo
 def test_a_tuple_of_arguments_built_in_the_loop_is_read_item_by_item():
     model = _seeded(Packed)
     assert families.infer(model).describe() == "blocks(hidden_states=image) -> image"
-    plain = _steps(model)
-    torchfix.deepcache.apply(model, CFG)
-    try:
-        cached = _steps(model)
-        s = torchfix.deepcache.stats(model)
-    finally:
-        torchfix.deepcache.remove(model)
+    plain, cached, s = _plain_and_cached(model)
     assert (s["full_steps"], s["cached_steps"]) == (3, 5)
     assert ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
 
 
 def test_an_adapter_between_blocks_splits_the_chain_and_still_caches():
     model = _seeded(Adapter)
-    plain = _steps(model)
-    torchfix.deepcache.apply(model, CFG)
-    try:
-        cached = _steps(model)
-        s = torchfix.deepcache.stats(model)
-    finally:
-        torchfix.deepcache.remove(model)
+    plain, cached, s = _plain_and_cached(model)
     assert (s["full_steps"], s["cached_steps"]) == (3, 5) and "in 3 run(s)" in s["blocks"]  # split after blocks 0 and 2
     assert ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
 

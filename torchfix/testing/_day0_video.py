@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .tiny import LTX2, Call, Tiny, _text, _video
+from .tiny import LTX2, WAN, Call, Tiny, _text, _video
 
 __all__ = ["TINY", "UNBUILDABLE"]
 
@@ -76,20 +76,11 @@ def _defaults(model: str, config: dict[str, Any]) -> dict[str, Any]:
 # --- Wan-Animate (Wan 2.2 Animate 14B) ---------------------------------------------------------------------------
 
 _WAN_ANIMATE = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 12,
+    **WAN,
     "in_channels": 12,  # 2 * latent_channels + 4
     "latent_channels": 4,
-    "out_channels": 4,
-    "text_dim": 16,
-    "freq_dim": 256,
-    "ffn_dim": 32,
     "num_layers": 4,  # the test's 2, doubled so that face_adapter (one per inject_face_latents_blocks) holds two
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
     "image_dim": 16,
-    "rope_max_seq_len": 32,
     "motion_encoder_channel_sizes": {"4": 16, "8": 16, "16": 16},
     "motion_encoder_size": 16,
     "motion_style_dim": 8,
@@ -435,17 +426,7 @@ TINY: list[Tiny] = [
         "auto:HeliosTransformer3DModel",
         "HeliosTransformer3DModel",
         {
-            "patch_size": (1, 2, 2),
-            "num_attention_heads": 2,
-            "attention_head_dim": 12,
-            "in_channels": 4,
-            "out_channels": 4,
-            "text_dim": 16,
-            "freq_dim": 256,
-            "ffn_dim": 32,
-            "num_layers": 2,
-            "cross_attn_norm": True,
-            "qk_norm": "rms_norm_across_heads",
+            **{k: v for k, v in WAN.items() if k != "rope_max_seq_len"},  # Wan's layout, its own rope
             "rope_dim": (4, 4, 4),
             "has_multi_term_memory_patch": True,
             "guidance_cross_attn": True,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .tiny import ADDED_IN, LTX2, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
+from .tiny import ADDED_IN, LTX2, WAN, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
 
 __all__ = ["ADDED_IN", "FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
 
@@ -216,25 +216,9 @@ def _qwen_like(c: Call) -> dict[str, Any]:
     return arguments
 
 
-_WAN = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 12,
-    "in_channels": 4,
-    "out_channels": 4,
-    "text_dim": 16,
-    "freq_dim": 256,
-    "ffn_dim": 32,
-    "num_layers": 2,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "rope_max_seq_len": 32,
-}
-
-
 def _wan_like(family: str, model: str) -> Tiny:
     """A Wan-layout video transformer (Wan, SkyReels-V2): one list of blocks, the text attended to."""
-    return Tiny(family, model, _WAN, lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)}, frames=(2, 3))
+    return Tiny(family, model, WAN, lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 12, 16)}, frames=(2, 3))
 
 
 _TINY = [
@@ -587,7 +571,7 @@ _TINY = [
     Tiny(
         "wan-vace",
         "WanVACETransformer3DModel",
-        {**_WAN, "in_channels": 16, "out_channels": 16, "text_dim": 32, "num_layers": 4, "vace_layers": [0, 2], "vace_in_channels": 48},
+        {**WAN, "in_channels": 16, "out_channels": 16, "text_dim": 32, "num_layers": 4, "vace_layers": [0, 2], "vace_in_channels": 48},
         lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 32), "control_hidden_states": _video(c, 48)},
         frames=(2, 3),
     ),

@@ -16,7 +16,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["ADDED_IN", "LTX2", "Call", "Size", "Tiny"]
+__all__ = ["ADDED_IN", "LTX2", "WAN", "Call", "Size", "Tiny"]
+
+# Wan's tiny config (diffusers' test sizes): the Wan-layout builders' (Wan, SkyReels-V2) and the base of
+# Wan-Animate's and Helios's
+WAN: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 16,
+    "freq_dim": 256,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 32,
+}
+
 
 # LTX-2's tiny config (diffusers' test sizes): the ltx2 builder's, and the SANA-WM refiner's (an LTX-2 layout)
 LTX2: dict[str, Any] = {
