@@ -28,7 +28,8 @@ from typing import Any
 from . import deepcache
 from ._report import Report, report
 from ._state import enabled, installed
-from .deepcache import DeepCacheConfig, streams
+from .deepcache import DeepCacheConfig
+from .deepcache.installed import scoped as deepcache_scope
 from .errors import InvalidArgumentError
 
 __all__ = [
@@ -126,7 +127,7 @@ class CacheHolder:
             deepcache.apply(model, self.config, scope=self.token)
         deepcache.new_call(model, timesteps=None if sigmas is None else sigmas[:-1])
         try:
-            with streams.scoped(self.token):
+            with deepcache_scope(self.token):
                 return executor(*args, **kwargs)
         finally:
             self.stats = deepcache.stats(model)

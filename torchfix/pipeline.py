@@ -34,7 +34,7 @@ from ._text import dtype_name as _dt
 from .config import Settings
 from .deepcache import DeepCacheConfig
 from .deepcache import check as deepcache_check
-from .deepcache.streams import scoped as deepcache_scope
+from .deepcache.installed import scoped as deepcache_scope
 from .devices import canonical, unusable_reason
 from .errors import (
     DeviceMismatchError,

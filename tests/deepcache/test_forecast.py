@@ -11,8 +11,8 @@ import torch
 import torchfix
 from torchfix import families
 from torchfix.deepcache import DeepCacheConfig
-from torchfix.deepcache.config import must_run_full
 from torchfix.deepcache.forecast import forecast, moved, remember
+from torchfix.deepcache.schedule import must_run_full
 
 pytest.importorskip("diffusers")
 
@@ -110,7 +110,7 @@ def test_forecast_changes_cached_steps_only_and_holds_order_plus_one_features(pi
             hook.remove()
         held[order] = seen[-1]
         stats = torchfix.deepcache.stats(pipe)
-        full = len(torchfix.deepcache.full_steps(9, state.schedule or state.config))
+        full = len(torchfix.deepcache.full_steps(9, state.generation.config))
         warm = stats["warm_up"]  # False with forecast=0, and on SD3's shift-3 schedule (below)
         assert (stats["full_steps"], stats["cached_steps"]) == (full, 9 - full) == ((4, 5) if warm else (3, 6))
     revises = hasattr(pipe, "transformer") and torchfix.deepcache.stats(pipe)["revise"] == "revises"
@@ -201,7 +201,7 @@ def test_the_scheduler_decides_the_warm_up(kind, warm):
     latents(pipe, steps=9)
     stats = torchfix.deepcache.stats(pipe)
     assert stats["warm_up"] is warm and (stats["full_steps"], stats["cached_steps"]) == ((4, 5) if warm else (3, 6))
-    assert state.schedule.warm_up is warm and state.config.warm_up is None  # decided per generation, the config untouched
+    assert state.generation.config.warm_up is warm and state.config.warm_up is None  # decided per generation, the config untouched
     torchfix.deepcache.remove(pipe)
     torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=2, stop=1.0))  # interval 2 warms up with steps 0, 1 and 2
     latents(pipe, steps=9)
@@ -210,7 +210,7 @@ def test_the_scheduler_decides_the_warm_up(kind, warm):
     torchfix.deepcache.remove(pipe)
     state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, stop=1.0, warm_up=not warm))
     latents(pipe, steps=9)
-    assert state.schedule is None and torchfix.deepcache.stats(pipe)["warm_up"] is (not warm)
+    assert state.generation.config is state.config and torchfix.deepcache.stats(pipe)["warm_up"] is (not warm)
     torchfix.deepcache.remove(pipe)
     with pytest.raises(TypeError, match="warm_up"):
         DeepCacheConfig(warm_up="yes")
@@ -280,7 +280,7 @@ def _affine_run(warm_up: bool, sensitivity: float | None) -> tuple[list[float], 
     state = torchfix.deepcache.apply(model, cfg)
     torchfix.deepcache.new_call(model)
     got = [model(x, text) for x in inputs]
-    full = torchfix.deepcache.config.full_steps(12, state.config)
+    full = torchfix.deepcache.schedule.full_steps(12, state.config)
     errors = {k: ((o - p).norm() / p.norm()).item() for k, (o, p) in enumerate(zip(got, plain)) if k not in full}
     measured = (dict(state.current.sensitivity), torchfix.deepcache.stats(model)["sensitivity"])
     torchfix.deepcache.remove(model)

@@ -61,3 +61,30 @@ def test_auto_leaves_another_mechanisms_option_out_loudly():
     finally:
         torchfix.deepcache.auto(previous)
         torchfix.deepcache.remove(pipe)
+
+
+def test_each_mechanisms_options_are_the_config_fields_it_owns_with_their_defaults():
+    import dataclasses
+
+    from torchfix.deepcache.config import DeepCacheConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DeepCacheConfig)}
+    owned = [f.name for m in (mechanisms.UNetOptions, mechanisms.BlocksOptions) for f in dataclasses.fields(m)]
+    assert len(owned) == len(set(owned))  # one owner per option
+    for options in (mechanisms.UNetOptions, mechanisms.BlocksOptions):
+        for f in dataclasses.fields(options):
+            assert f.name in defaults and f.default == defaults[f.name], f.name
+    assert set(mechanisms.OWN_OPTIONS) == set(owned)
+    config = DeepCacheConfig(branch=2, keep_first=1, revise=False)
+    assert mechanisms.UNET.options.of(config) == mechanisms.UNetOptions(branch=2)
+    assert mechanisms.BLOCKS.options.of(config) == mechanisms.BlocksOptions(keep_first=1, revise=False)
+
+
+def test_the_state_holds_its_mechanisms_options_as_applied():
+    model = FAMILIES["wan"].build()
+    state = torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(keep_first=1))
+    try:
+        assert isinstance(state.options, mechanisms.BlocksOptions) and state.options.keep_first == 1
+        assert state.options.keep_last == state.config.keep_last  # filled in for the family, as the state's config
+    finally:
+        torchfix.deepcache.remove(model)

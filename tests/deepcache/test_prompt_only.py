@@ -64,7 +64,7 @@ def test_cached_steps_reuse_them_bit_identically(name, without_prompt_only):
     model = tiny.build()
     state = torchfix.deepcache.apply(model, CFG)
     reused = denoise(model, tiny, prompts=(0, 1))
-    names = state.prompt_only_names
+    names = state.plan.prompt_only_names
     assert state.prompt_only_reused == len(names) * 5 * 2  # every prompt-only call of 5 cached steps, 2 guidance passes
     assert "prompt-only, reused on cached steps" in torchfix.deepcache.stats(model)["blocks"]
     torchfix.deepcache.remove(model)
@@ -131,7 +131,7 @@ def test_with_a_threshold_the_steps_the_features_decide_reuse_them(without_promp
     config = torchfix.DeepCacheConfig(interval=4, threshold=1e9, num_steps=8, stop=1.0)  # 0 full, 1-3 cached, 4 full, ...
     state = torchfix.deepcache.apply(model, config)
     reused = denoise(model, tiny)[0]
-    assert state.prompt_only_reused == len(state.prompt_only_names) * 6
+    assert state.prompt_only_reused == len(state.plan.prompt_only_names) * 6
     torchfix.deepcache.remove(model)
     without_prompt_only(tiny.family)
     torchfix.deepcache.apply(model, config)

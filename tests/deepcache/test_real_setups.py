@@ -120,7 +120,7 @@ def test_a_swapped_scheduler_gives_what_a_fresh_apply_gives():
     deepcache.apply(fresh, cfg)
     assert torch.equal(swapped, latents(fresh, steps=20))
     assert last(pipe) == last(fresh)
-    assert deepcache.state_of(pipe).total == 20
+    assert deepcache.state_of(pipe).generation.total == 20
     old = pipe.scheduler
     deepcache.remove(pipe)
     assert "set_timesteps" not in vars(old)  # the hook moved with the swap and is gone with remove()
@@ -130,7 +130,7 @@ def test_custom_timesteps_set_the_step_count():
     pipe = tiny_sd15_pipeline("EulerDiscreteScheduler")
     deepcache.apply(pipe, torchfix.DeepCacheConfig(interval=2, warm_up=False, branch=0))
     latents(pipe, steps=None, timesteps=[999, 800, 600, 400, 200, 100])
-    assert deepcache.state_of(pipe).total == 6 and last(pipe) == (3, 3)
+    assert deepcache.state_of(pipe).generation.total == 6 and last(pipe) == (3, 3)
     deepcache.remove(pipe)
 
 

@@ -23,9 +23,10 @@ from .api import (
     stats,
 )
 from .blocks import BlockState, TransformerLayout, analyse_transformer
-from .config import DeepCacheConfig, full_steps, is_full_step
+from .config import DeepCacheConfig
 from .engine import CacheState
 from .layout import Layout, analyse
+from .schedule import full_steps, is_full_step
 from .unet import UNetState
 
 __all__ = [

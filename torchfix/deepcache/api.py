@@ -23,12 +23,13 @@ from .._frames import uncompiled
 from ..errors import InvalidArgumentTypeError, UnsupportedModelError
 from ..families import DENOISERS
 from ..patches import libraries
-from . import comfy_unet, engine, mechanisms, streams
+from . import comfy_unet, generation, installed, mechanisms, parallel
 from ._graphs import forget_compiled
 from .blocks import BlockState, TransformerLayout
-from .config import DeepCacheConfig, corrects, for_family, warms_up
+from .config import DeepCacheConfig, corrects, for_family
 from .engine import CacheState
 from .layout import Layout, analyse
+from .schedule import warms_up
 from .unet import UNetState
 
 __all__ = [
@@ -146,21 +147,21 @@ def new_call(target: Any, timesteps: Any = None) -> None:
     sigmas less the last): it sets the step count and whether the schedule warms up, as a scheduler's would.
     """
     for state in states_of(target).values():
-        streams.ensure_installed(state)
+        installed.ensure_installed(state)
         if timesteps is None:
             state.reset()
         else:
-            streams.restart(state, timesteps)
+            generation.restart(state, timesteps)
 
 
 def _stats_one(state: CacheState) -> dict[str, Any]:
-    reached = streams.in_call_path(state)
+    reached = installed.in_call_path(state)
     out = {
         "applied": reached or state.pipe is not None or state.scope is not None,
         "family": state.family.name,
         "in_call_path": reached,
         "scoped": state.scope is not None,
-        "last_call": streams.last_call(state),
+        "last_call": generation.last_call(state),
         "full_steps": state.full_steps,
         "cached_steps": state.cached_steps,
         "generations": state.generations,
@@ -168,19 +169,19 @@ def _stats_one(state: CacheState) -> dict[str, Any]:
         "cache_bytes": state.cache_bytes,
         "forecast": state.config.forecast,
         "threshold": state.config.threshold,
-        "warm_up": warms_up(streams.generation_config(state)),
-        "ranks": engine.ranks(state).describe,
+        "warm_up": warms_up(state.generation.config),
+        "ranks": parallel.ranks(state).describe,
     }
     if isinstance(state, BlockState):
         out["streams"] = state.last_streams
         out["blocks"] = state.describe()
         fixed = state.config.sensitivity
         out["sensitivity"] = fixed if fixed is not None else (state.last_sensitivity if corrects(state.config) else 1.0)
-        chain_off = next((c.revise for c in state.chains.values() if c.revise is not None), None)
+        chain_off = next((c.revise for c in state.plan.chains.values() if c.revise is not None), None)
         out["revise"] = (
-            state.cannot_revise
+            state.plan.cannot_revise
             or chain_off
-            or ("revises" if state.sigmas is not None else "waits for a flow-matching Euler scheduler (FlowMatchEulerDiscreteScheduler)")
+            or ("revises" if state.generation.sigmas is not None else f"waits for a flow-matching Euler scheduler ({_FLOW_EULER})")
         )
         out["revised_steps"] = state.revised_steps
     else:
@@ -231,7 +232,7 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
     Args:
         target: a pipeline with a ``unet``, a ``transformer`` (and a ``transformer_2``), or the model itself.
         config: a :class:`DeepCacheConfig` (default: interval 3; the rest per family).
-        scope: cache only while :func:`torchfix.deepcache.streams.scoped` with this token runs
+        scope: cache only while :func:`torchfix.deepcache.installed.scoped` with this token runs
             (``torchfix.wrap`` passes its own, so other pipelines sharing the model run it untouched);
             ``None`` (the default): model-wide.
 
@@ -262,9 +263,10 @@ def apply(target: Any, config: DeepCacheConfig | None = None, *, scope: object |
                 type(model).__name__,
                 family.describe(),
             )
-        state: CacheState = mechanisms.of(family).install(model, family, filled, layout)
-        state.scope = scope
-        streams.follow_scheduler(state, pipe)
+        mechanism = mechanisms.of(family)
+        state: CacheState = mechanism.install(model, family, filled, layout)
+        state.scope, state.options = scope, mechanism.options.of(filled)
+        installed.follow_scheduler(state, pipe)
         _STATES[model] = state
         applied.append(state)
     forget_compiled(f"applied to {', '.join(type(m).__name__ for _, m in found)}")
@@ -282,12 +284,14 @@ def remove(target: Any) -> None:
         for handle in reversed(state.handles):
             handle.restore()
         state.handles.clear()
-        streams.unhook_scheduler(state)
+        installed.unhook_scheduler(state)
         state.reset()
         removed.append(type(model).__name__)
     if removed:
         forget_compiled(f"removed from {', '.join(removed)}")
 
+
+_FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 
 # The names the states had before every family shared one engine.
 DeepCacheState = UNetState

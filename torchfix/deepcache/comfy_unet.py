@@ -26,7 +26,7 @@ from .._frames import hiding_frames
 from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Family
 from ..patches import instance
-from . import engine
+from . import engine, forecast
 from .config import DeepCacheConfig
 from .unet import UNetState, _capture_hook, _decide, _done_full
 
@@ -188,16 +188,16 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
         # patches that change what they are handed in place (FreeU scales h inside output_block_patch)
         patched = _changes_in_place(arguments.get("transformer_options"))
         if full:
-            capturing, state.copy_feature = state.capturing, patched
+            step = state.step
+            capturing, state.copy_feature = step.capturing, patched
             try:
                 output = original(*args, **kwargs)
             except BaseException:
-                state.capturing = False
-                state.pending = {}
+                state.step = state.idle()
                 raise
-            if capturing and (0 not in state.pending or engine.changed(state.pending[0], state.feature_marker)):
-                what = "never ran its last layer (a patch replaced it?)" if 0 not in state.pending else "was changed in place after it"
-                state.capturing, state.pending = False, {}
+            if capturing and (0 not in step.pending or engine.changed(step.pending[0], state.feature_marker)):
+                what = "never ran its last layer (a patch replaced it?)" if 0 not in step.pending else "was changed in place after it"
+                state.step = state.idle()
                 raise UnsupportedModelError(
                     f"torchfix.deepcache: ComfyUI's {type(unet).__name__}: the deep feature (what "
                     f"{state.layout.producer(state.config.branch)} returns) {what}, so the cached steps cannot be "
@@ -206,7 +206,7 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
             _done_full(state)
             return output
         extra = arguments.pop("kwargs", None) or {}
-        feature = engine.for_this_step(state)
+        feature = forecast.for_this_step(state)
         if patched:
             feature = feature.clone()  # the history's own tensor (forecast=0) must not be changed by the patch
         return shallow(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)

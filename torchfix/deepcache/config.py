@@ -1,19 +1,14 @@
-"""DeepCache configuration and step schedule (pure: no torch, no patching).
+"""DeepCache configuration (pure: no torch, no patching); the step schedule it sets is
+:mod:`torchfix.deepcache.schedule`'s.
 
->>> from torchfix.deepcache.config import DeepCacheConfig, full_steps
->>> sorted(full_steps(10, DeepCacheConfig(interval=3)))  # forecasting: the second full step at 2
-[0, 2, 5, 8]
->>> sorted(full_steps(10, DeepCacheConfig(interval=3, forecast=0)))  # reuse: DeepCache 0.1.1's steps
-[0, 3, 6, 9]
+>>> from torchfix.deepcache.config import DeepCacheConfig
+>>> DeepCacheConfig(interval=3).interval
+3
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +19,7 @@ __all__ = [
     "SCHEDULES",
     "DeepCacheConfig",
     "corrects",
-    "early_steps_move",
     "for_family",
-    "full_steps",
-    "is_full_step",
-    "must_run_full",
-    "warms_up",
-    "window",
 ]
 
 SCHEDULES = ("uniform", "nonuniform")
@@ -219,23 +208,6 @@ def for_family(config: DeepCacheConfig, family: Any) -> DeepCacheConfig:
     return dataclasses.replace(config, **unset) if unset else config
 
 
-def warms_up(config: DeepCacheConfig) -> bool:
-    """Whether a generation warms up: the second full step at step 2 instead of at ``interval`` (full steps
-    0, 2, 2 + interval, ...), and at ``interval=2`` steps 0, 1 and 2 all in full (then every other step). With a
-    forecast (``forecast`` 1 or 2, or ``None``: both families forecast by default), ``interval >= 2`` and
-    ``warm_up`` not False (``None`` counts as True here; a pipeline's scheduler decides it per generation,
-    :func:`early_steps_move`). A forecast needs two full steps; without the early second one, the first
-    ``interval − 1`` cached steps could only reuse step 0's feature as it was. At interval 2 that reuse, and
-    the forecast of step 3 across the fast first steps, cost the most: on the trained models interval 2 without
-    the warm-up was less exact than interval 3 (SD1.5-like UNet 1.77× at rel-L2 0.0101 against 2.31× at 0.0110);
-    with it, one more full step of 20, 1.65× at 0.0018.
-
-    >>> warms_up(DeepCacheConfig(interval=3)), warms_up(DeepCacheConfig(interval=3, forecast=0))
-    (True, False)
-    """
-    return config.warm_up is not False and config.forecast != 0 and config.interval >= 2
-
-
 def corrects(config: DeepCacheConfig) -> bool:
     """Whether a transformer's cached step mixes the forecast output of the cached blocks with the forecast
     residual (``sensitivity`` other than 1.0, or measured: ``None`` with a forecast). Only then does a stream
@@ -247,95 +219,3 @@ def corrects(config: DeepCacheConfig) -> bool:
     if config.sensitivity is None:
         return config.forecast != 0
     return config.sensitivity != 1.0
-
-
-def early_steps_move(timesteps: Sequence[float]) -> bool:
-    """Whether a schedule's first step moves the timestep at least half as much as its average step: where
-    it does, the features change fast from the start and a forecast pays for an early second full step
-    (measured on the trained denoisers, the same work either way: the SD1.5-like UNet's schedule gains, 0.42×
-    the error at interval 3, and so does Flux's, 0.38× at interval 4; SD3's shift-3 schedule, whose first step
-    moves 0.35× the average, loses: 1.9× at interval 4).
-
-    >>> early_steps_move([999, 949, 899, 849]), early_steps_move([1000, 982, 962, 941, 919, 894, 867, 838, 806, 9])
-    (True, False)
-    """
-    values = [float(t) for t in timesteps]
-    if len(values) < 3:
-        return True
-    gaps = [abs(b - a) for a, b in itertools.pairwise(values)]
-    mean = sum(gaps) / len(gaps)
-    return mean == 0 or gaps[0] >= 0.5 * mean
-
-
-def _warm_full(index: int, interval: int) -> bool:
-    """Whether step ``index`` runs in full on a warmed-up schedule: 0, then 2, 2 + interval, ... (at interval 2
-    also step 1: steps 0, 1 and 2, then every other step)."""
-    return index == 0 or (index == 1 and interval == 2) or (index >= 2 and (index - 2) % interval == 0)
-
-
-def _stop(config: DeepCacheConfig) -> float:
-    return 1.0 if config.stop is None else config.stop
-
-
-@functools.lru_cache(maxsize=256)
-def full_steps(total: int, config: DeepCacheConfig) -> frozenset[int]:
-    """Indices (0-based UNet calls of one generation) that run the full UNet."""
-    if config.interval == 1 or total <= 1:
-        return frozenset(range(total))
-    lo = math.ceil(config.start * total)
-    hi = max(lo + 1, math.ceil(_stop(config) * total))
-    outside = set(range(lo)) | set(range(hi, total))
-    width = hi - lo
-    count = math.ceil(width / config.interval)
-    if config.schedule == "uniform":
-        inside = set(range(lo, hi, config.interval))
-        if warms_up(config) and lo == 0:
-            inside = {i for i in range(lo, hi) if _warm_full(i, config.interval)}
-    else:
-        inside = set()
-        for k in range(count):
-            pos = lo + round(width * (k / count) ** config.power)
-            while pos in inside:  # collisions early on: take the next free step
-                pos += 1
-            inside.add(min(pos, hi - 1))
-    return frozenset(outside | inside | {0})
-
-
-def window(total: int | None, config: DeepCacheConfig) -> tuple[int, int | None]:
-    """``[lo, hi)``: the steps caching may skip (``hi`` None: open-ended)."""
-    if total is None:
-        return 1, None
-    lo = math.ceil(config.start * total)
-    return lo, max(lo + 1, math.ceil(_stop(config) * total))
-
-
-def must_run_full(index: int, total: int | None, config: DeepCacheConfig, cached_run: int) -> bool | None:
-    """With a ``threshold``: True where step ``index`` runs in full whatever the features do (the first step,
-    outside the window, or ``cached_run`` already at the cap), else ``None`` (the features decide).
-    Without one: :func:`is_full_step`.
-
-    >>> cfg = DeepCacheConfig(interval=4, threshold=0.1, stop=0.9)
-    >>> [must_run_full(i, 10, cfg, 0) for i in (0, 1, 9)], must_run_full(4, 10, cfg, 3)
-    ([True, None, True], True)
-    """
-    if config.threshold is None:
-        return is_full_step(index, total, config)
-    lo, hi = window(total, config)
-    if index == 0 or config.interval == 1 or index < lo or (hi is not None and index >= hi) or cached_run >= config.interval - 1:
-        return True
-    return None
-
-
-def is_full_step(index: int, total: int | None, config: DeepCacheConfig) -> bool:
-    """Whether UNet call ``index`` of a generation runs in full.
-
-    With ``total`` unknown (a bare UNet and no ``num_steps``) the schedule is
-    uniform over an open-ended run.
-    """
-    if index == 0 or config.interval == 1:
-        return True
-    if total is None or index >= total:
-        if warms_up(config):
-            return _warm_full(index, config.interval)
-        return index % config.interval == 0
-    return index in full_steps(total, config)

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from ._graphs import outside_graphs
+from .config import corrects
 
-__all__ = ["forecast", "interpolate", "moved", "per_sample", "remember", "sensitivity"]
+__all__ = ["as_dtype", "for_this_step", "forecast", "interpolate", "is_one", "keep", "moved", "per_sample", "remember", "sensitivity"]
 
 Value = Any  # a tensor, or a tuple of tensors and None (a transformer's (text, image) residual)
 
@@ -34,6 +35,69 @@ def remember(history: list[tuple[int, Value]], index: int, value: Value, order: 
     """Append full step ``index``'s ``value``, keeping the ``order + 1`` newest (what ``order`` needs)."""
     history.append((index, value))
     del history[: max(len(history) - (order + 1), 0)]
+
+
+@outside_graphs
+def keep(state: Any, extra: int = 0, *, measure: bool = False) -> bool:
+    """After a full step: what each run produced (``state.step.pending``) joins its stream's history, as far back as
+    the forecast order needs, or ``extra`` full steps (eager: histories are Python lists); with ``measure`` (a
+    transformer's verified chain), after measuring how much of an input's forecast error its blocks pass through.
+    Returns whether anything was kept."""
+    stream, step = state.generation.current, state.step
+    if measure and step.pending and stream is not None:
+        _measure(state)
+    kept = bool(step.pending) and stream is not None
+    for run, value in step.pending.items() if kept else ():
+        remember(stream.histories.setdefault(run, []), stream.step - 1, value, max(state.config.forecast, extra))
+    step.pending = {}
+    return kept
+
+
+@outside_graphs
+def for_this_step(state: Any, run: int = 0) -> Value:
+    """The value forecast for the cached step in progress from run ``run``'s history (eager: the step gaps are
+    Python numbers)."""
+    stream = state.generation.current
+    history = stream.histories.setdefault(run, [])
+    return forecast(history, stream.step - 1, state.config.forecast) if state.config.forecast else history[-1][1]
+
+
+@outside_graphs
+def _measure(state: Any) -> None:
+    """At a full step whose residuals and inputs the stream could have forecast: the sensitivity of each stream
+    of each run, per sample (the forecast it proves wrong). After a warm-up, a forecast that reaches back to step
+    0 is off for the fast start, not for the blocks' response to their input: it measures nothing."""
+    stream, config, total = state.generation.current, state.config, state.step.total
+    if config.sensitivity is not None or not corrects(config) or stream is None:
+        return
+    for r, value in state.step.pending.items():
+        history = stream.run_history(r)
+        k = len(value) // 2
+        if len(history) < 2 or len(value) != 2 * k:
+            continue
+        oldest = history[-min(config.forecast, len(history) - 1) - 1][0]  # the first point the forecast used
+        if oldest == 0 and state.generation.warms_up:  # off the curve the later full steps follow (fast first steps)
+            continue
+        predicted = forecast(history, stream.step - 1, config.forecast)
+        for part in range(k):
+            residual, entered = value[part], value[k + part]
+            if residual is None or entered is None or predicted[part] is None or predicted[k + part] is None:
+                continue
+            slopes = per_sample(residual - predicted[part], entered - predicted[k + part], total)
+            if slopes is not None:
+                stream.sensitivity[(r, part)] = slopes
+                if r == 0 and part == state.step.chain.runs[0].image:
+                    state.last_sensitivity = float(slopes.mean())
+
+
+def as_dtype(s: Any, like: torch.Tensor) -> Any:
+    """A measured sensitivity (per sample), or what a full step kept, in the dtype of what it meets now (the very tensor
+    where they agree): the result keeps the model's dtype, also where the latents' dtype changed after step 0."""
+    return s.to(like.dtype) if isinstance(s, torch.Tensor) else s
+
+
+def is_one(s: Any) -> bool:
+    return s is None or (not isinstance(s, torch.Tensor) and s == 1.0)
 
 
 def _map(fn: Any, *values: Value) -> Value:

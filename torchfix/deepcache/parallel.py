@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ALONE", "Group", "Watch", "distributed", "of", "summer", "total"]
+__all__ = ["ALONE", "Group", "Watch", "distributed", "of", "ranks", "summer", "total"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,10 @@ class Watch(TorchDispatchMode):
         if func.namespace in _COLLECTIVES and len(self.collectives) < 8 and not str(func).split(".")[1].startswith(_BOOKKEEPING):
             self.collectives.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def ranks(state: Any) -> Group:
+    """The ranks that share the calls of the denoiser a cache state belongs to (context or tensor parallel), whose
+    sums every decision adds; :data:`ALONE` for one process or data parallelism."""
+    model = state.model() if state.model is not None else None
+    return ALONE if model is None else of(model)

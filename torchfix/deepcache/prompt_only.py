@@ -33,6 +33,7 @@ import torch
 
 from ..patches import instance
 from . import engine
+from .parallel import ranks
 
 __all__ = ["install", "leaves", "modules", "same"]
 
@@ -115,9 +116,9 @@ def _call(state: Any, key: tuple[str, int], original: Any, args: tuple, kwargs: 
     probe: the module runs before the blocks are reached). Eager: it reads tensors to compare them. A step other than a
     full one reuses what the module returned when it last ran in this stream, where it is called with what it got
     then; wherever it runs, what it got and returned is held for the next step."""
-    stream = state.current
+    stream = state.generation.current
     now = leaves((args, kwargs))
-    if state.mode != "full":  # cached, or a probe (the features decide once the blocks are reached)
+    if state.step.mode != "full":  # cached, or a probe (the features decide once the blocks are reached)
         held = stream.prompt_only.get(key)
         if held is not None and same(held[0], now) and not any(engine.changed(t, mark) for t, mark in held[2]):
             state.prompt_only_reused += 1
@@ -137,10 +138,11 @@ def _forward(state_ref: weakref.ref, name: str) -> Any:
         @functools.wraps(source)
         def forward(*args: Any, **kwargs: Any) -> Any:
             state = state_ref()
-            if state is None or state.mode not in ("full", "cached", "probe") or state.current is None or engine.ranks(state).shared:
+            step = state.step if state is not None else None
+            if step is None or step.mode not in ("full", "cached", "probe") or state.generation.current is None or ranks(state).shared:
                 return original(*args, **kwargs)
-            count = state.prompt_only_calls.get(name, 0)
-            state.prompt_only_calls[name] = count + 1
+            count = step.prompt_only_calls.get(name, 0)
+            step.prompt_only_calls[name] = count + 1
             return _call(state, (name, count), original, args, kwargs)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]

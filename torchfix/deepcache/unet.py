@@ -13,7 +13,7 @@ import functools
 import inspect
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,18 +21,25 @@ import torch
 from .._frames import hiding_frames
 from ..families import Family
 from ..patches import instance
-from . import engine
+from . import engine, forecast, generation, installed, schedule
 from ._graphs import outside_graphs
 from .config import DeepCacheConfig
 from .layout import Layout
 from .shallow import shallow_forward
 
-__all__ = ["UNetState", "apply_unet"]
+__all__ = ["UNetState", "UNetStep", "apply_unet"]
 
 log = logging.getLogger("torchfix")
 
 # The name DeepCache's forward has in diffusers' HookRegistry (where the installed diffusers has one).
 HOOK_NAME = "torchfix_deepcache"
+
+
+@dataclass(eq=False)
+class UNetStep(engine.Step):
+    """One UNet call: whether the hook on the branch's consumer keeps the deep feature it sees."""
+
+    capturing: bool = False
 
 
 @dataclass(eq=False)
@@ -46,7 +53,7 @@ class UNetState(engine.CacheState):
     """
 
     layout: Layout | None = None
-    capturing: bool = False
+    step: UNetStep = field(default_factory=UNetStep)
     copy_feature: bool = False  # the host changes the feature in place after it is made (ComfyUI's FreeU): keep a copy
     check_feature: bool = False  # check that the kept feature is not changed after it was kept (ComfyUI's UNet)
     feature_marker: Any = None  # what tells whether the kept feature changed after it was kept (version, or a copy)
@@ -54,7 +61,11 @@ class UNetState(engine.CacheState):
     @property
     def feature(self) -> torch.Tensor | None:
         """The current stream's cached deep feature."""
-        return None if self.current is None else self.current.last()
+        current = self.generation.current
+        return None if current is None else current.last()
+
+    def idle(self) -> UNetStep:
+        return UNetStep()
 
     def describe(self) -> str:
         return self.layout.describe(self.config.branch)
@@ -65,23 +76,27 @@ def _decide(state: UNetState, sample: torch.Tensor, prompt: Any, arguments: dict
     """True for a full step, False for a cached one, None to run the UNet untouched (outside the scope of
     ``torchfix.wrap``'s call). A UNet's cached step recomputes from the sample, so with a threshold the sample is
     what the features are judged by."""
-    mode = engine.decide(state, sample, prompt, arguments)
-    if mode == "off":
+    engaged, _ = installed.check(state)
+    if not engaged:
+        state.step = UNetStep()
         return None
+    context = state.family.context(arguments) if state.family.context is not None else state.context
+    stream = generation.enter(state, sample, prompt, context)
+    mode = schedule.decide(state, stream, arguments)
     if mode == "probe":
-        mode = engine.probe(state, sample)
+        mode = schedule.probe(state, sample)
+    state.step = UNetStep(mode, capturing=mode == "full" or (mode == "plain" and state.config.interval > 1))
     full = mode != "cached"
-    state.capturing = mode == "full" or (mode == "plain" and state.config.interval > 1)
     if full:
-        engine.keep_reference(state, sample)
+        generation.keep_reference(state, sample)
     return full
 
 
 @outside_graphs
 def _done_full(state: UNetState) -> None:
     """After a full step: its deep feature joins the stream's history (eager: the history is a Python list)."""
-    state.capturing = False
-    engine.keep_pending(state)
+    state.step.capturing = False
+    forecast.keep(state)
 
 
 def _scales_in_place(block: torch.nn.Module | None) -> bool:
@@ -98,10 +113,10 @@ def _capture_hook(state_ref: weakref.ref[UNetState], pre: bool, consumer: torch.
     block_ref = weakref.ref(consumer) if consumer is not None else lambda: None
 
     def keep(state: UNetState | None, h: Any) -> None:
-        if state is not None and state.capturing and state.current is not None:
+        if state is not None and state.step.capturing and state.generation.current is not None:
             copy = state.copy_feature or _scales_in_place(block_ref())
             kept = h.detach().clone() if copy else h.detach()
-            state.pending[0] = kept  # joins the stream's history after the call, outside any graph
+            state.step.pending[0] = kept  # joins the stream's history after the call, outside any graph
             if state.check_feature:  # eager only: a compiled graph keeps no Python state (and must not guard on versions)
                 checkable = not copy and not torch.compiler.is_compiling()
                 state.feature_marker = engine.marker(kept) if checkable else None
@@ -138,7 +153,7 @@ def _make_forward(unet: torch.nn.Module, state: UNetState) -> Any:
                 finally:
                     _done_full(state)
             extra = arguments.pop("kwargs", None) or {}
-            feature = engine.for_this_step(state)
+            feature = forecast.for_this_step(state)
             return shallow_forward(unet_ref(), state.layout, state.config.branch, feature, **arguments, **extra)
 
         forward.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
