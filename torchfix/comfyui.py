@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import deepcache
+from . import _context, deepcache
 from ._report import Report, report
 from ._state import enabled, installed
 from .deepcache import DeepCacheConfig
@@ -226,7 +226,13 @@ class TorchfixReport:
 
 
 def report_text(model: Any) -> str:
-    """What the torchfix nodes on ``model`` (a ModelPatcher) did in its last sampling run."""
+    """What the torchfix nodes on ``model`` (a ModelPatcher) did in its last sampling run, and a first line where
+    torchfix is on for the whole process (not the nodes' doing: an ``import torchfix`` or ``torchfix.enable()`` in
+    some other code of this process), since then every workflow runs guarded, this model's with or without a node.
+
+    >>> report_text(model)  # doctest: +SKIP
+    'cache (comfy-unet): 2 full, 4 cached denoiser call(s)'
+    """
     holders = _holders(model)
     lines = []
     if "guards" in holders:
@@ -239,7 +245,11 @@ def report_text(model: Any) -> str:
             if stats.get("applied")
             else "cache: not run yet"
         )
-    return "\n".join(lines) or "no torchfix node on this model"
+    lines = lines or ["no torchfix node on this model"]
+    everywhere = _context.get_global()
+    if everywhere.active:
+        lines.insert(0, f"torchfix is on process-wide ({everywhere.describe()}): every workflow in this process runs guarded")
+    return "\n".join(lines)
 
 
 NODE_CLASS_MAPPINGS = {"TorchfixGuards": TorchfixGuards, "TorchfixCache": TorchfixCache, "TorchfixReport": TorchfixReport}

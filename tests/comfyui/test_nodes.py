@@ -104,6 +104,18 @@ def test_guards_fix_a_stray_bf16_layer_and_name_it(tiny):
         comfyui.sample(tiny, strict)
 
 
+def test_the_report_says_when_torchfix_is_on_process_wide(fix_mode):
+    """Not the nodes' doing (an ``import torchfix`` somewhere in ComfyUI's process): every workflow then runs guarded,
+    and the report node says so first (tests/comfyui/test_server.py checks through the server that it is not)."""
+    tiny = comfyui.tiny("sd15")
+    (guarded,) = TorchfixGuards().patch(tiny.patcher, "fix")
+    assert report_text(guarded).startswith("torchfix is on process-wide (mode=fix ")
+    assert report_text(tiny.patcher).splitlines()[1:] == ["no torchfix node on this model"]
+    torchfix.disable()
+    assert report_text(guarded) == "guards: nothing to fix (0 denoiser call(s) guarded, mode fix)"
+    assert "process-wide" not in TorchfixReport().report(guarded, {})["result"][0]
+
+
 def test_the_cache_node_refuses_a_model_it_does_not_know():
     tiny = comfyui.tiny("sd15")
     tiny.patcher.model.diffusion_model = torch.nn.Linear(2, 2)

@@ -1,6 +1,8 @@
 """ComfyUI for tests and benchmarks, offline: its source loaded from a tarball or a folder, and tiny models of its
 own classes built the way ComfyUI builds them (``comfy.supported_models.<Family>(unet_config).get_model``, wrapped
-in a ``ModelPatcher``), with seeded random weights. Nothing is downloaded.
+in a ``ModelPatcher``), with seeded random weights; and ComfyUI's own server for workflows posted to its API
+(:class:`Server`, on 127.0.0.1 only) with a tiny SD1.5 checkpoint it loads (:func:`write_checkpoint`). Nothing is
+downloaded.
 
 ComfyUI is not on the package index in a usable form; its source (``ComfyUI-<version>.tar.gz``) is looked for in
 ``$TORCHFIX_COMFYUI`` (a tarball or an extracted ``ComfyUI/`` folder), then in ``../shared/vendor/`` beside this
@@ -15,9 +17,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
+import shutil
+import socket
+import subprocess
 import sys
 import tarfile
+import time
+import urllib.error
+import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +36,19 @@ import torch
 
 from ..errors import TorchfixError
 
-__all__ = ["MODELS", "BlockCounter", "TinyComfy", "blocks_of", "find_source", "load", "sample", "tiny"]
+__all__ = [
+    "MODELS",
+    "BlockCounter",
+    "Server",
+    "TinyComfy",
+    "blocks_of",
+    "find_source",
+    "load",
+    "sample",
+    "server_missing",
+    "tiny",
+    "write_checkpoint",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -308,3 +330,203 @@ class BlockCounter:
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
+
+
+# An SD1.5 checkpoint as ComfyUI's CheckpointLoaderSimple detects it (comfy/model_detection.py reads the UNet's config
+# from the keys and shapes; comfy.supported_models.SD15 then matches on model_channels 320, context_dim 768, a conv
+# proj_in, no adm): the UNet is shallow (one block per level, two levels at 320 channels: 44M parameters), the text
+# encoder is ComfyUI's CLIP-L at its fixed size (sd1_clip_config.json: 123M parameters; no SD1.5 checkpoint can hold a
+# smaller one), and the VAE is ComfyUI's TAESD, which it detects from the checkpoint's keys as well (2.4M parameters
+# instead of the 84M of the KL autoencoder: the VAE only turns the latents into pictures here).
+SD15_CHECKPOINT_UNET = _unet(model_channels=320, context_dim=768, channel_mult=[1, 1], num_heads=8)
+
+
+def write_checkpoint(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write a tiny SD1.5 checkpoint (safetensors, fp16, seeded random weights; UNet, CLIP-L and TAESD) that ComfyUI's
+    ``CheckpointLoaderSimple`` loads from ``models/checkpoints``, through ComfyUI's own ``state_dict_for_saving`` (as
+    its CheckpointSave node writes one). About 340 MB, 2 s.
+
+    >>> write_checkpoint(tmp / "models" / "checkpoints" / "tiny-sd15.safetensors")  # doctest: +SKIP
+    """
+    nodes, why = load()
+    if nodes is None:
+        raise TorchfixError(f"torchfix.testing.comfyui: {why}")
+    import comfy.sd1_clip
+    import comfy.supported_models
+    import comfy.taesd.taesd
+    import comfy.utils
+
+    model_config = comfy.supported_models.SD15(dict(SD15_CHECKPOINT_UNET))
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({})
+    clip = comfy.sd1_clip.SD1ClipModel(device="cpu", dtype=torch.float16)
+    vae = comfy.taesd.taesd.TAESD(latent_channels=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # weights of std 1/sqrt(fan-in): features keep their scale through 320-channel layers
+        for module in (model, clip, vae):
+            for pname, p in module.named_parameters():
+                if p.ndim >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+                elif pname.endswith("weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        vae.vae_scale.fill_(0.18215)  # SD1's latent scale, as ComfyUI's VAELoader sets it for SD1's TAESD
+    state = model.state_dict_for_saving(clip.state_dict(), vae.state_dict())
+    state = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    comfy.utils.save_torch_file(state, str(path))
+    return path
+
+
+# What ComfyUI's server imports at start beside what load() needs (the `comfyui` extra of setup.cfg has them all).
+SERVER_MODULES = ("aiohttp", "yarl", "PIL", "av", "pydantic", "safetensors")
+
+
+def server_missing() -> str:
+    """Why ComfyUI's server cannot start here ("" where it can): no source, or a package it imports missing."""
+    nodes, why = load()
+    if nodes is None:
+        return why
+    missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+    return f"ComfyUI's server needs {', '.join(missing)} (pip install -e '.[comfyui]')" if missing else ""
+
+
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 directly, whatever *_proxy says
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """ComfyUI's own server (``main.py --cpu``) in a subprocess with this Python, on 127.0.0.1 only, every folder it
+    writes to (models, custom_nodes, input, output, temp, user, its database in memory) under ``base``; this
+    repository's node pack linked into ``base/custom_nodes``. No web frontend: ``--front-end-root`` points at an empty
+    folder (the API needs none). A context manager: stopped on exit, whatever happened.
+
+    >>> with Server(tmp) as server:  # doctest: +SKIP
+    ...     entry = server.run(workflow)
+    """
+
+    def __init__(self, base: str | os.PathLike[str], startup_s: float = 180.0) -> None:
+        self.base = Path(base)
+        self.startup_s = startup_s
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output = self.base / "output"
+        self.log_path = self.base / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Server:
+        nodes, why = load()
+        if nodes is None:
+            raise TorchfixError(f"torchfix.testing.comfyui: {why}")
+        folder = Path(nodes.__file__).resolve().parent
+        (self.base / "custom_nodes").mkdir(parents=True, exist_ok=True)
+        (self.base / "web").mkdir(exist_ok=True)
+        pack = self.base / "custom_nodes" / "comfyui-torchfix"
+        if not pack.exists():
+            try:
+                pack.symlink_to(REPO / "comfyui-torchfix", target_is_directory=True)
+            except OSError:  # no symlinks here (Windows without the privilege): a copy does the same
+                shutil.copytree(REPO / "comfyui-torchfix", pack)
+        stub = _stand_in(_cache() / "stand-in")
+        # This repository's torchfix first (not another install of it), then the torchvision stand-in (load()).
+        path = [str(REPO), *([str(stub)] if stub else []), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("TORCHFIX_MODE", None)  # as a user's ComfyUI runs: nothing asks torchfix for anything
+        self._log = open(self.log_path, "wb")  # closed in __exit__
+        try:
+            for attempt in range(3):  # the free port may be taken between our look and the server's bind
+                command = [
+                    sys.executable, str(folder / "main.py"), "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+                    "--disable-auto-launch", "--base-directory", str(self.base), "--front-end-root", str(self.base / "web"),
+                    "--database-url", "sqlite:///:memory:", "--disable-api-nodes", "--preview-method", "none",
+                ]  # fmt: skip
+                self.process = subprocess.Popen(command, cwd=self.base, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+                if self._wait_ready(last=attempt == 2):
+                    return self
+                self.port = _free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self  # not reached: the last attempt raises
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=20)
+        self._log.close()
+
+    @property
+    def log(self) -> str:
+        """What the server printed so far (stdout and stderr)."""
+        return self.log_path.read_text(errors="replace")
+
+    def _request(self, path: str, data: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+        body = None if data is None else json.dumps(data).encode()
+        request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
+        with _LOOPBACK.open(request, timeout=timeout) as response:
+            answer = response.read()
+        return json.loads(answer) if answer else None
+
+    def _wait_ready(self, last: bool) -> bool:
+        """True once the server answers; False where it could not bind its port (and ``last`` is false)."""
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                if not last and "address already in use" in self.log[-4000:]:
+                    return False
+                raise TorchfixError(f"ComfyUI's server exited ({self.process.returncode}) before it served:\n{self.log[-4000:]}")
+            try:
+                self._request("/system_stats", timeout=2)
+                return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.25)
+        raise TorchfixError(f"ComfyUI's server did not answer within {self.startup_s:.0f} s:\n{self.log[-4000:]}")
+
+    def run(self, workflow: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+        """Post an API-format ``workflow`` to ``/prompt``, wait for it in ``/history`` (at most ``timeout_s``), and
+        return its history entry (``outputs``, ``status``); a workflow that failed raises with ComfyUI's messages."""
+        try:
+            answer = self._request("/prompt", {"prompt": workflow, "client_id": uuid.uuid4().hex})
+        except urllib.error.HTTPError as exc:  # 400: ComfyUI's validation (a node type it lacks, a bad input)
+            raise TorchfixError(f"ComfyUI refused the workflow: {exc.read().decode(errors='replace')[:4000]}") from exc
+        prompt_id = answer["prompt_id"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            entry = self._request(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                if entry["status"].get("status_str") != "success":
+                    raise TorchfixError(f"ComfyUI ran the workflow with an error: {entry['status'].get('messages')}\n{self.log[-4000:]}")
+                return entry
+            if self.process.poll() is not None:
+                raise TorchfixError(f"ComfyUI's server exited ({self.process.returncode}):\n{self.log[-4000:]}")
+            time.sleep(0.2)
+        raise TorchfixError(f"ComfyUI did not finish the workflow within {timeout_s:.0f} s:\n{self.log[-4000:]}")
+
+    def free(self) -> None:
+        """Drop what the server keeps between workflows (``/free``: its node outputs and loaded models), as the
+        "free model and node cache" button does: the next workflow loads the checkpoint and runs every node afresh.
+        The worker drops them when it next waits for work; a workflow of one empty latent is waited for first, so
+        that whatever comes next runs after the drop."""
+        self._request("/free", {"unload_models": True, "free_memory": True})
+        self.run(
+            {
+                "1": {"class_type": "EmptyLatentImage", "inputs": {"width": 16, "height": 16, "batch_size": 1}},
+                "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": f"latents/free-{uuid.uuid4().hex}"}},
+            }
+        )
+
+    def files(self, entry: dict[str, Any], node: str, kind: str = "images") -> list[Path]:
+        """The files a node of a finished workflow wrote (SaveImage: ``images``; SaveLatent: ``latents``)."""
+        return [self.output / f["subfolder"] / f["filename"] for f in entry["outputs"][node][kind]]
