@@ -637,6 +637,16 @@ register(
     )
 )
 
+# AuraFlow's double layers take the text as ``c`` and the image as ``x``: names code reading cannot tell apart.
+register(
+    comfy(
+        "comfy-auraflow",
+        "AuraFlow in ComfyUI",
+        "aura.mmdit.MMDiT",
+        blocks=(Blocks("double_layers", {"image": "x", "text": "c"}, ("text", "image")), single("single_layers", "cx")),
+    )
+)
+
 # ComfyUI 0.3.64's other diffusion-model classes (comfy/model_base.py's BaseModel subclasses -> comfy.ldm): refused by
 # name with the reason. Those not named here and not registered above are read off their code (families.infer:
 # Lumina 2's NextDiT, Cosmos Predict2's MiniTrainDIT, Wan's camera model), verified at the first call; a class whose
@@ -681,10 +691,7 @@ COMFY_REFUSED = {
     "ace.model.ACEStepTransformer2DModel": ("ACE-Step in ComfyUI", "audio latents; " + UNVERIFIED),
     "hunyuan3d.model.Hunyuan3Dv2": ("Hunyuan3D 2.0 in ComfyUI", "3D shape latents; " + UNVERIFIED),
     "modules.diffusionmodules.mmdit.OpenAISignatureMMDITWrapper": ("SD3/SD3.5 in ComfyUI", UNVERIFIED),
-    "aura.mmdit.MMDiT": ("AuraFlow in ComfyUI", UNVERIFIED),
-    "pixart.pixartms.PixArtMS": ("PixArt-α/Σ in ComfyUI", UNVERIFIED),
     "genmo.joint_model.asymm_models_joint.AsymmDiTJoint": ("Mochi in ComfyUI", UNVERIFIED),
-    "omnigen.omnigen2.OmniGen2Transformer2DModel": ("OmniGen2 in ComfyUI", UNVERIFIED),
     "wan.model.HumoWanModel": ("Wan HuMo in ComfyUI", UNVERIFIED),
     "wan.model_animate.AnimateWanModel": ("Wan 2.2 Animate in ComfyUI", UNVERIFIED),
 }

@@ -148,7 +148,7 @@ class TinyComfy:
             extra["guidance"] = torch.full((batch,), 3.5)
         if self.name == "ltx":
             extra["attention_mask"] = torch.ones(batch, 7, dtype=torch.long)
-        if self.name == "lumina2":
+        if self.name in ("lumina2", "omnigen2"):
             extra["num_tokens"] = 7  # what ComfyUI's Lumina2.extra_conds derives from the text's attention mask
         context = torch.randn(batch, 7, self.context, generator=g)
         if self.name == "wan-vace":  # what ComfyUI's WAN21_Vace.extra_conds builds: control frames and mask
@@ -239,6 +239,15 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
     "cosmos2": ("CosmosT2IPredict2", {"image_model": "cosmos_predict2", "in_channels": 16, "out_channels": 16, "model_channels": 64,
                                       "num_blocks": 3, "num_heads": 2, "crossattn_emb_channels": 32, "adaln_lora_dim": 16,
                                       **COSMOS2}, 16, 1, 0),
+    "auraflow": ("AuraFlow", {"in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": 64, "n_layers": 4, "n_double_layers": 2,
+                              "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 32, "max_seq": 256}, 4, 0, 0),
+    "omnigen2": ("Omnigen2", {"image_model": "omnigen2", "axes_dim_rope": [8, 12, 12], "axes_lens": [1024, 1664, 1664],
+                              "ffn_dim_multiplier": None, "hidden_size": 64, "in_channels": 16, "multiple_of": 16, "norm_eps": 1e-05,
+                              "num_attention_heads": 2, "num_kv_heads": 2, "num_layers": 3, "num_refiner_layers": 1,
+                              "out_channels": None, "patch_size": 2, "text_feat_dim": 32, "timestep_scale": 1000.0}, 16, 0, 0),
+    "pixart": ("PixArtSigma", {"image_model": "pixart_sigma", "micro_condition": False, "num_heads": 2, "patch_size": 2,
+                               "hidden_size": 64, "in_channels": 4, "depth": 3, "caption_channels": 32, "model_max_length": 16,
+                               "input_size": 32, "pe_interpolation": 0.5}, 4, 0, 0),
     "wan-camera": ("WAN22_Camera", {"image_model": "wan2.1", "model_type": "camera_2.2", "patch_size": (1, 2, 2), "text_len": 16,
                                     "in_dim": 16, "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32, "out_dim": 16,
                                     "num_heads": 2, "num_layers": 4, "in_dim_control_adapter": 24}, 16, 3, 0),
@@ -285,8 +294,10 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
     adm = config.get("adm_in_channels") or config.get("vec_in_dim") or config.get("text_emb_dim") or 0
     # ComfyUI's HunyuanVideo, Cosmos Predict2, Wan VACE and camera (their control inputs) need even sizes (no padding)
     sizes = ((12, 20), (14, 22)) if name in ("hunyuanvideo", "cosmos2", "wan-vace", "wan-camera") else ((13, 21), (15, 21))
-    # LTX's text mask (integer); Lumina 2 takes its token count from the mask (ComfyUI's Lumina2.extra_conds)
-    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name in ("ltx", "lumina2") else {}
+    if name == "pixart":  # its position embedding's base size is the latent's mean side rounded to 64: at least 32
+        sizes = ((32, 40), (34, 42))
+    # LTX's text mask (integer); Lumina 2 and OmniGen2 take their token count from the mask (ComfyUI's extra_conds)
+    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name in ("ltx", "lumina2", "omnigen2") else {}
     return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes, extra=extra)
 
 
