@@ -647,6 +647,18 @@ register(
     )
 )
 
+# Mochi's blocks name the text ``y`` (its loop ``y_feat``): read as a second image stream. Its last block leaves the
+# text as it was (update_y=False): it runs on every step, as diffusers' Mochi's last block does.
+register(
+    comfy(
+        "comfy-mochi",
+        "Mochi in ComfyUI",
+        "genmo.joint_model.asymm_models_joint.AsymmDiTJoint",
+        blocks=(Blocks("blocks", {"image": "x", "text": "y"}, ("image", "text")),),
+        keep_last=1,
+    )
+)
+
 # ComfyUI 0.3.64's other diffusion-model classes (comfy/model_base.py's BaseModel subclasses -> comfy.ldm): refused by
 # name with the reason. Those not named here and not registered above are read off their code (families.infer:
 # Lumina 2's NextDiT, Cosmos Predict2's MiniTrainDIT, Wan's camera model), verified at the first call; a class whose
@@ -691,7 +703,6 @@ COMFY_REFUSED = {
     "ace.model.ACEStepTransformer2DModel": ("ACE-Step in ComfyUI", "audio latents; " + UNVERIFIED),
     "hunyuan3d.model.Hunyuan3Dv2": ("Hunyuan3D 2.0 in ComfyUI", "3D shape latents; " + UNVERIFIED),
     "modules.diffusionmodules.mmdit.OpenAISignatureMMDITWrapper": ("SD3/SD3.5 in ComfyUI", UNVERIFIED),
-    "genmo.joint_model.asymm_models_joint.AsymmDiTJoint": ("Mochi in ComfyUI", UNVERIFIED),
     "wan.model.HumoWanModel": ("Wan HuMo in ComfyUI", UNVERIFIED),
     "wan.model_animate.AnimateWanModel": ("Wan 2.2 Animate in ComfyUI", UNVERIFIED),
 }

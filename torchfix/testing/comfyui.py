@@ -146,8 +146,10 @@ class TinyComfy:
             extra["y"] = torch.randn(batch, self.adm, generator=g)
         if self.name in ("flux", "chroma", "hunyuanvideo"):
             extra["guidance"] = torch.full((batch,), 3.5)
-        if self.name == "ltx":
+        if self.name in ("ltx", "mochi"):
             extra["attention_mask"] = torch.ones(batch, 7, dtype=torch.long)
+        if self.name == "mochi":
+            extra["num_tokens"] = 7
         if self.name in ("lumina2", "omnigen2"):
             extra["num_tokens"] = 7  # what ComfyUI's Lumina2.extra_conds derives from the text's attention mask
         context = torch.randn(batch, 7, self.context, generator=g)
@@ -248,6 +250,13 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
     "pixart": ("PixArtSigma", {"image_model": "pixart_sigma", "micro_condition": False, "num_heads": 2, "patch_size": 2,
                                "hidden_size": 64, "in_channels": 4, "depth": 3, "caption_channels": 32, "model_max_length": 16,
                                "input_size": 32, "pe_interpolation": 0.5}, 4, 0, 0),
+    # Mochi: ComfyUI asserts hidden_size_x × mlp_ratio_x == 1536 × 8 (the real model's MLP width), whatever the size
+    "mochi": ("GenmoMochi", {"image_model": "mochi_preview", "depth": 3, "patch_size": 2, "num_heads": 2, "hidden_size_x": 64,
+                             "hidden_size_y": 32, "mlp_ratio_x": 192.0, "mlp_ratio_y": 2.0, "learn_sigma": False, "in_channels": 12,
+                             "qk_norm": True, "qkv_bias": False, "out_bias": True, "attn_drop": 0.0, "patch_embed_bias": True,
+                             "posenc_preserve_area": True, "timestep_mlp_bias": True, "attend_to_padding": False,
+                             "timestep_scale": 1000.0, "use_t5": True, "t5_feat_dim": 32, "t5_token_length": 16,
+                             "rope_theta": 10000.0}, 12, 2, 0),
     "wan-camera": ("WAN22_Camera", {"image_model": "wan2.1", "model_type": "camera_2.2", "patch_size": (1, 2, 2), "text_len": 16,
                                     "in_dim": 16, "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32, "out_dim": 16,
                                     "num_heads": 2, "num_layers": 4, "in_dim_control_adapter": 24}, 16, 3, 0),
@@ -292,12 +301,13 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
     adm = config.get("adm_in_channels") or config.get("vec_in_dim") or config.get("text_emb_dim") or 0
-    # ComfyUI's HunyuanVideo, Cosmos Predict2, Wan VACE and camera (their control inputs) need even sizes (no padding)
-    sizes = ((12, 20), (14, 22)) if name in ("hunyuanvideo", "cosmos2", "wan-vace", "wan-camera") else ((13, 21), (15, 21))
+    # ComfyUI's HunyuanVideo, Cosmos Predict2, Mochi, Wan VACE and camera (their control inputs) need even sizes
+    even = ("hunyuanvideo", "cosmos2", "wan-vace", "wan-camera", "mochi")
+    sizes = ((12, 20), (14, 22)) if name in even else ((13, 21), (15, 21))
     if name == "pixart":  # its position embedding's base size is the latent's mean side rounded to 64: at least 32
         sizes = ((32, 40), (34, 42))
-    # LTX's text mask (integer); Lumina 2 and OmniGen2 take their token count from the mask (ComfyUI's extra_conds)
-    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name in ("ltx", "lumina2", "omnigen2") else {}
+    # LTX's text mask (integer); Lumina 2, OmniGen2 and Mochi take their token count from the mask (ComfyUI's extra_conds)
+    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name in ("ltx", "lumina2", "omnigen2", "mochi") else {}
     return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes, extra=extra)
 
 
