@@ -661,8 +661,9 @@ register(
 
 # ComfyUI 0.3.64's other diffusion-model classes (comfy/model_base.py's BaseModel subclasses -> comfy.ldm): refused by
 # name with the reason. Those not named here and not registered above are read off their code (families.infer:
-# Lumina 2's NextDiT, Cosmos Predict2's MiniTrainDIT, Wan's camera model), verified at the first call; a class whose
-# loop changes a stream in place between blocks (Wan VACE: ``x += hint``) is refused by that reading itself.
+# Lumina 2's NextDiT, Cosmos Predict2's MiniTrainDIT, OmniGen2, PixArt, Wan's camera model), verified at the first
+# call; a class whose loop changes a stream in place between blocks (Wan VACE: ``x += hint``) is refused by that
+# reading itself. tests/comfyui/test_cache.py enumerates the classes and fails on any that is neither.
 UNVERIFIED = "not verified under ComfyUI's sampler yet (torchfix's tests have no tiny model of it)"
 COMFY_REFUSED = {
     "wan.model.WanModel_S2V": (
@@ -702,9 +703,20 @@ COMFY_REFUSED = {
     "audio.dit.AudioDiffusionTransformer": ("Stable Audio in ComfyUI", "audio latents; " + UNVERIFIED),
     "ace.model.ACEStepTransformer2DModel": ("ACE-Step in ComfyUI", "audio latents; " + UNVERIFIED),
     "hunyuan3d.model.Hunyuan3Dv2": ("Hunyuan3D 2.0 in ComfyUI", "3D shape latents; " + UNVERIFIED),
-    "modules.diffusionmodules.mmdit.OpenAISignatureMMDITWrapper": ("SD3/SD3.5 in ComfyUI", UNVERIFIED),
-    "wan.model.HumoWanModel": ("Wan HuMo in ComfyUI", UNVERIFIED),
-    "wan.model_animate.AnimateWanModel": ("Wan 2.2 Animate in ComfyUI", UNVERIFIED),
+    "modules.diffusionmodules.mmdit.OpenAISignatureMMDITWrapper": (
+        "SD3/SD3.5 in ComfyUI",
+        "its joint blocks take *args and **kwargs (JointBlock.forward), so no parameter names which argument is the "
+        "image and which the text stream, and the transformer cache reads the streams by parameter name",
+    ),
+    "wan.model.HumoWanModel": (
+        "Wan HuMo in ComfyUI",
+        "its audio projection has fixed widths (AudioProjModel: 1280 channels in, 1536 out) whatever the model's size; "
+        + UNVERIFIED,
+    ),
+    "wan.model_animate.AnimateWanModel": (
+        "Wan 2.2 Animate in ComfyUI",
+        "its motion encoder has fixed widths (a 512-wide Generator) whatever the model's size; " + UNVERIFIED,
+    ),
 }
 for _path, (_title, _why) in COMFY_REFUSED.items():
     refuse(COMFY + _path, _title, _why)
