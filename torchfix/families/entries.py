@@ -637,6 +637,17 @@ register(
     )
 )
 
+# Chroma Radiance: Chroma's blocks (its own forward_orig), then a pixel-space NeRF head whose blocks run on every step
+# (once per tile at large sizes: code reading sees two ways of calling them and refuses the class).
+register(
+    comfy(
+        "comfy-chroma-radiance",
+        "Chroma Radiance in ComfyUI",
+        "chroma_radiance.model.ChromaRadiance",
+        blocks=(Blocks("double_blocks", COMFY_IMAGE_TEXT, ("image", "text")), single("single_blocks", "x")),
+    )
+)
+
 # AuraFlow's double layers take the text as ``c`` and the image as ``x``: names code reading cannot tell apart.
 register(
     comfy(
@@ -694,11 +705,6 @@ COMFY_REFUSED = {
     "cosmos.model.GeneralDIT": (
         "Cosmos 1 (Predict1) in ComfyUI",
         "its blocks sit in a ModuleDict called by name, which the code reading does not follow; " + UNVERIFIED,
-    ),
-    "chroma_radiance.model.ChromaRadiance": (
-        "Chroma Radiance in ComfyUI",
-        "its pixel-space NeRF head calls its blocks once per tile at large sizes (a block called several times a step); "
-        + UNVERIFIED,
     ),
     "audio.dit.AudioDiffusionTransformer": ("Stable Audio in ComfyUI", "audio latents; " + UNVERIFIED),
     "ace.model.ACEStepTransformer2DModel": ("ACE-Step in ComfyUI", "audio latents; " + UNVERIFIED),

@@ -142,9 +142,9 @@ class TinyComfy:
         g = torch.Generator().manual_seed(seed)
         batch = x.shape[0]
         extra: dict[str, Any] = {}
-        if self.adm and self.name != "chroma":  # Chroma takes no pooled vector
+        if self.adm and self.name not in ("chroma", "chroma-radiance"):  # Chroma takes no pooled vector
             extra["y"] = torch.randn(batch, self.adm, generator=g)
-        if self.name in ("flux", "chroma", "hunyuanvideo"):
+        if self.name in ("flux", "chroma", "chroma-radiance", "hunyuanvideo"):
             extra["guidance"] = torch.full((batch,), 3.5)
         if self.name in ("ltx", "mochi"):
             extra["attention_mask"] = torch.ones(batch, 7, dtype=torch.long)
@@ -225,6 +225,12 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
                           "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3, "axes_dim": [8, 12, 12],
                           "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 64,
                           "n_layers": 2}, 16, 0, 32),
+    "chroma-radiance": ("ChromaRadiance", {"image_model": "chroma_radiance", "in_channels": 3, "out_channels": 3, "context_in_dim": 32,
+                                           "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3,
+                                           "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 16, "qkv_bias": True, "in_dim": 64,
+                                           "out_dim": 64, "hidden_dim": 64, "n_layers": 2, "nerf_hidden_size": 16, "nerf_mlp_ratio": 2,
+                                           "nerf_depth": 2, "nerf_max_freqs": 4, "nerf_tile_size": 32, "nerf_final_head_type": "conv",
+                                           "nerf_embedder_dtype": torch.float32}, 3, 0, 32),
     "qwenimage": ("QwenImage", {"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 3,
                                 "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 32,
                                 "axes_dims_rope": (8, 12, 12)}, 16, 1, 0),
@@ -306,6 +312,8 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
     sizes = ((12, 20), (14, 22)) if name in even else ((13, 21), (15, 21))
     if name == "pixart":  # its position embedding's base size is the latent's mean side rounded to 64: at least 32
         sizes = ((32, 40), (34, 42))
+    if name == "chroma-radiance":  # pixels, 16×16 to a token: 3×5, then 4×5 tokens (56 padded to 64)
+        sizes = ((48, 80), (56, 80))
     # LTX's text mask (integer); Lumina 2, OmniGen2 and Mochi take their token count from the mask (ComfyUI's extra_conds)
     extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name in ("ltx", "lumina2", "omnigen2", "mochi") else {}
     return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes, extra=extra)
