@@ -9,8 +9,9 @@ other node's, runs exactly as before:
 - **torchfix guards**: each denoiser call of the clone runs inside ``torchfix.enabled(mode)`` (``APPLY_MODEL``);
   what was fixed in a sampling run is logged at its end and kept for the report node.
 - **torchfix cache**: DeepCache on the clone's diffusion model, for every ComfyUI model class the family registry
-  knows (:func:`torchfix.families.supported`, host ``comfyui``). Each sampling run (``OUTER_SAMPLE``) is a new
-  generation whose step count comes from its sigmas; ComfyUI's cond/uncond passes
+  knows (:func:`torchfix.families.supported`, host ``comfyui``) or reads off its code (:func:`torchfix.families.infer`);
+  a class refused by name (:func:`torchfix.families.refuse`) is refused when the node runs, with the reason. Each
+  sampling run (``OUTER_SAMPLE``) is a new generation whose step count comes from its sigmas; ComfyUI's cond/uncond passes
   (``transformer_options["cond_or_uncond"]``) keep separate caches; a call with ControlNet residuals runs in full;
   a new resolution, frame count or batch is a fresh cache. The cache engages only inside this clone's sampling
   (a scope token): the shared model outside it runs untouched.

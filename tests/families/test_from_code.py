@@ -330,3 +330,104 @@ def test_the_text_side_of_a_day0_model_is_reused_exactly_on_cached_steps(monkeyp
         assert torch.equal(_latents(denoise(model, tiny)), _latents(reused))
     finally:
         torchfix.deepcache.remove(model)
+
+
+# --- ComfyUI's forward shapes (classes of comfy.ldm, or deriving from one) -------------------------------------------
+
+
+class _ComfyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, transformer_options: dict = {}) -> torch.Tensor:  # noqa: B006
+        return x + self.proj(x) * vec
+
+
+class ComfyShaped(torch.nn.Module):
+    """ComfyUI's shape: ``forward`` hands on to ``_forward`` (its wrapper executor), which calls ``forward_orig``; each
+    block runs inside a ``patches_replace`` branch (through ``block_wrap``) or directly, and ControlNet residuals are
+    added in place under ``if control is not None``. Outside ComfyUI's packages: read as any other class."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ComfyBlock() for _ in range(n))
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x, timestep, context=None, control=None, transformer_options={}, **kwargs):  # noqa: B006
+        return self._forward(x, timestep, context, control, transformer_options)
+
+    def _forward(self, x, timestep, context, control, transformer_options):
+        return self.forward_orig(x, torch.sigmoid(timestep)[:, None, None], control, transformer_options)
+
+    def forward_orig(self, x, vec, control, transformer_options):
+        blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
+        for i, block in enumerate(self.blocks):
+            if ("double_block", i) in blocks_replace:
+
+                def block_wrap(args):
+                    out = {}
+                    out["img"] = block(args["img"], vec=args["vec"], transformer_options=args["transformer_options"])  # noqa: B023
+                    return out
+
+                given = {"img": x, "vec": vec, "transformer_options": transformer_options}
+                out = blocks_replace[("double_block", i)](given, {"original_block": block_wrap})
+                x = out["img"]
+            else:
+                x = block(x, vec=vec, transformer_options=transformer_options)
+            if control is not None:
+                add = control["input"][i]
+                if add is not None:
+                    x[:, : add.shape[1]] += add
+        return self.out(x)
+
+
+class ComfyChain(ComfyShaped):
+    """:class:`ComfyShaped` as one of ComfyUI's own classes."""
+
+    __module__ = "comfy.ldm.tiny.model"
+
+
+class ComfyHints(ComfyChain):
+    """Wan VACE's shape: a hint added to the stream in place between blocks (``x += hint``), always."""
+
+    def forward_orig(self, x, vec, control, transformer_options):
+        for block in self.blocks:
+            x = block(x, vec=vec, transformer_options=transformer_options)
+            hint = self.out(vec.expand_as(x))
+            x += 0.1 * hint
+        return self.out(x)
+
+
+class ComfyNoOptions(ComfyChain):
+    """A ComfyUI-shaped forward that takes no ``transformer_options``: cond and uncond cannot be told apart."""
+
+    def forward(self, x, timestep):
+        return self.forward_orig(x, torch.sigmoid(timestep)[:, None, None], None, {})
+
+
+def test_a_comfyui_class_is_read_through_its_executor_and_forward_orig():
+    model = _seeded(ComfyChain)
+    family = families.infer(model)
+    assert family.describe() == "blocks(x=image) -> image" and family.name == "auto:ComfyChain"
+    assert (family.host, family.latent, family.prompt, family.classes) == ("comfyui", "x", None, ("comfy.ldm.tiny.model.ComfyChain",))
+    assert "control" in family.full_only_arguments
+    assert family.context({"transformer_options": {"cond_or_uncond": [1]}}) == "cond_or_uncond=1"
+    plain, cached, s = _plain_and_cached(model)
+    assert (s["family"], s["full_steps"], s["cached_steps"]) == ("auto:ComfyChain", 3, 5)
+    assert torch.equal(cached[0], plain[0]) and ((cached[-1] - plain[-1]).norm() / plain[-1].norm()).item() < 0.05
+
+
+def test_a_comfyui_stream_changed_in_place_between_blocks_is_refused():
+    with pytest.raises(torchfix.UnsupportedModelError, match=r"x is changed in place between blocks \(x \+= 0.1 \* hint\)"):
+        torchfix.deepcache.apply(ComfyHints(), CFG)
+    with pytest.raises(torchfix.UnsupportedModelError, match="takes no transformer_options"):
+        torchfix.deepcache.apply(ComfyNoOptions(), CFG)
+
+
+def test_the_comfyui_reading_leaves_a_class_outside_comfyui_as_it_was():
+    """The same code outside ComfyUI's packages is read as before: no methods followed below ``forward``."""
+    derived = type("Derived", (ComfyChain,), {"__module__": __name__})
+    assert not inference.is_comfy(ComfyShaped) and inference.is_comfy(derived)  # derives from a ComfyUI class: read as one
+    with pytest.raises(torchfix.UnsupportedModelError, match=r"outside `for block in self\.<list>` loops"):
+        families.infer(ComfyShaped())

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import Blocks, Family, Width, builtin_done, register
+from .spec import Blocks, Family, Width, builtin_done, refuse, register
 
 __all__ = [
+    "COMFY_REFUSED",
     "CONDITIONING_WEIGHTS",
     "IMAGE_ENCODER_WEIGHTS",
     "IMAGE_PROJECTION_DEFAULT",
@@ -556,8 +557,12 @@ def comfy_passes(arguments: Any) -> str | None:
 
     >>> comfy_passes({"transformer_options": {"cond_or_uncond": [1, 0]}})
     'cond_or_uncond=1,0'
+    >>> comfy_passes({"x": None, "kwargs": {"transformer_options": {"cond_or_uncond": [0]}}})
+    'cond_or_uncond=0'
     """
     options = arguments.get("transformer_options") if hasattr(arguments, "get") else None
+    if options is None and hasattr(arguments, "get") and isinstance(arguments.get("kwargs"), dict):
+        options = arguments["kwargs"].get("transformer_options")  # a forward that takes it in **kwargs (Lumina 2, Cosmos)
     passes = options.get("cond_or_uncond") if isinstance(options, dict) else None
     return None if passes is None else "cond_or_uncond=" + ",".join(str(p) for p in passes)
 
@@ -616,5 +621,110 @@ register(
     )
 )
 register(comfy("comfy-ltx", "LTX-Video in ComfyUI", "lightricks.model.LTXVModel", blocks=(single("transformer_blocks", "x"),)))
+# HiDream's double blocks take the text as ``text_tokens`` (the kept text joined with this block's Llama layer) and
+# return it longer than what the loop keeps (it cuts the Llama part off): code reading sees no stream handed on, so
+# the entry says it; the first call checks it, and each block whose text or image is rebuilt between blocks is a run
+# of its own. Its class has diffusers' class name: matched by module path only (families.find).
+register(
+    comfy(
+        "comfy-hidream",
+        "HiDream-I1 in ComfyUI",
+        "hidream.model.HiDreamImageTransformer2DModel",
+        blocks=(
+            Blocks("double_stream_blocks", {"image": "image_tokens", "text": "text_tokens"}, ("image", "text")),
+            single("single_stream_blocks", "image_tokens"),
+        ),
+    )
+)
+
+# Chroma Radiance: Chroma's blocks (its own forward_orig), then a pixel-space NeRF head whose blocks run on every step
+# (once per tile at large sizes: code reading sees two ways of calling them and refuses the class).
+register(
+    comfy(
+        "comfy-chroma-radiance",
+        "Chroma Radiance in ComfyUI",
+        "chroma_radiance.model.ChromaRadiance",
+        blocks=(Blocks("double_blocks", COMFY_IMAGE_TEXT, ("image", "text")), single("single_blocks", "x")),
+    )
+)
+
+# AuraFlow's double layers take the text as ``c`` and the image as ``x``: names code reading cannot tell apart.
+register(
+    comfy(
+        "comfy-auraflow",
+        "AuraFlow in ComfyUI",
+        "aura.mmdit.MMDiT",
+        blocks=(Blocks("double_layers", {"image": "x", "text": "c"}, ("text", "image")), single("single_layers", "cx")),
+    )
+)
+
+# Mochi's blocks name the text ``y`` (its loop ``y_feat``): read as a second image stream. Its last block leaves the
+# text as it was (update_y=False): it runs on every step, as diffusers' Mochi's last block does.
+register(
+    comfy(
+        "comfy-mochi",
+        "Mochi in ComfyUI",
+        "genmo.joint_model.asymm_models_joint.AsymmDiTJoint",
+        blocks=(Blocks("blocks", {"image": "x", "text": "y"}, ("image", "text")),),
+        keep_last=1,
+    )
+)
+
+# ComfyUI 0.3.64's other diffusion-model classes (comfy/model_base.py's BaseModel subclasses -> comfy.ldm): refused by
+# name with the reason. Those not named here and not registered above are read off their code (families.infer:
+# Lumina 2's NextDiT, Cosmos Predict2's MiniTrainDIT, OmniGen2, PixArt, Wan's camera model), verified at the first
+# call; a class whose loop changes a stream in place between blocks (Wan VACE: ``x += hint``) is refused by that
+# reading itself. tests/comfyui/test_cache.py enumerates the classes and fails on any that is neither.
+UNVERIFIED = "not verified under ComfyUI's sampler yet (torchfix's tests have no tiny model of it)"
+COMFY_REFUSED = {
+    "wan.model.WanModel_S2V": (
+        "Wan 2.2 S2V in ComfyUI",
+        "its audio injector adds the audio to the video tokens in place between blocks (AudioInjector.forward: "
+        "x[:, :seq_len] = ...), which a cached step would add twice",
+    ),
+    "hydit.models.HunYuanDiT": (
+        "HunyuanDiT in ComfyUI",
+        "its blocks are joined by long skip connections (skips.append(x), consumed by the later blocks): a cached "
+        "block's output is used outside the blocks cached with it",
+    ),
+    "hunyuan3dv2_1.hunyuandit.HunYuanDiTPlain": (
+        "Hunyuan3D 2.1 in ComfyUI",
+        "its blocks are joined by long skip connections (skip_stack.append(combined)): a cached block's output is used "
+        "outside the blocks cached with it",
+    ),
+    "cascade.stage_c.StageC": (
+        "Stable Cascade stage C in ComfyUI",
+        "its levels of residual and attention blocks are joined by skip connections (a UNet of its own, not a chain of "
+        "blocks), and torchfix's UNet mechanism knows ComfyUI's UNetModel only",
+    ),
+    "cascade.stage_b.StageB": (
+        "Stable Cascade stage B in ComfyUI",
+        "its levels of residual and attention blocks are joined by skip connections (a UNet of its own, not a chain of "
+        "blocks), and torchfix's UNet mechanism knows ComfyUI's UNetModel only",
+    ),
+    "cosmos.model.GeneralDIT": (
+        "Cosmos 1 (Predict1) in ComfyUI",
+        "its blocks sit in a ModuleDict called by name, which the code reading does not follow; " + UNVERIFIED,
+    ),
+    "audio.dit.AudioDiffusionTransformer": ("Stable Audio in ComfyUI", "audio latents; " + UNVERIFIED),
+    "ace.model.ACEStepTransformer2DModel": ("ACE-Step in ComfyUI", "audio latents; " + UNVERIFIED),
+    "hunyuan3d.model.Hunyuan3Dv2": ("Hunyuan3D 2.0 in ComfyUI", "3D shape latents; " + UNVERIFIED),
+    "modules.diffusionmodules.mmdit.OpenAISignatureMMDITWrapper": (
+        "SD3/SD3.5 in ComfyUI",
+        "its joint blocks take *args and **kwargs (JointBlock.forward), so no parameter names which argument is the "
+        "image and which the text stream, and the transformer cache reads the streams by parameter name",
+    ),
+    "wan.model.HumoWanModel": (
+        "Wan HuMo in ComfyUI",
+        "its audio projection has fixed widths (AudioProjModel: 1280 channels in, 1536 out) whatever the model's size; "
+        + UNVERIFIED,
+    ),
+    "wan.model_animate.AnimateWanModel": (
+        "Wan 2.2 Animate in ComfyUI",
+        "its motion encoder has fixed widths (a 512-wide Generator) whatever the model's size; " + UNVERIFIED,
+    ),
+}
+for _path, (_title, _why) in COMFY_REFUSED.items():
+    refuse(COMFY + _path, _title, _why)
 
 builtin_done()

@@ -33,6 +33,7 @@ import ast
 import functools
 import inspect
 import textwrap
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +42,11 @@ import torch
 from ..errors import UnsupportedModelError
 from .spec import Blocks, Family
 
-__all__ = ["PREFIX", "Reading", "infer", "is_inferred", "read_loops", "resolve", "role"]
+__all__ = ["PREFIX", "Reading", "infer", "is_comfy", "is_inferred", "read_loops", "resolve", "role"]
 
 PREFIX = "auto:"
+COMFY = "comfy.ldm."  # ComfyUI's model classes: their module path
+_COMFY_METHODS = 12  # methods of a ComfyUI class read, at most (forward, _forward, forward_orig, their helpers)
 
 # What a stream is, from the model's variable name (else the block's parameter name): the image tokens unless the
 # name says text, audio or a control branch. Several families' image streams: hidden_states, x, img, visual_embed,
@@ -95,14 +98,43 @@ class Reading:
     problem: str | None = None
 
 
-def _forward_tree(cls: type) -> ast.FunctionDef | None:
-    function = inspect.unwrap(getattr(cls, "forward", None))
+def _tree(function: Any) -> ast.FunctionDef | None:
     try:
-        source = textwrap.dedent(inspect.getsource(function))
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
     except (OSError, TypeError):
         return None
     node = ast.parse(source).body[0]
     return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _forward_tree(cls: type) -> ast.FunctionDef | None:
+    return _tree(getattr(cls, "forward", None))
+
+
+def is_comfy(cls: type) -> bool:
+    """Whether ``cls`` is one of ComfyUI's own model classes (``comfy.ldm``) or derives from one: read the ComfyUI way
+    (latents ``x``, guidance passes in ``transformer_options``, blocks one or two methods below ``forward``)."""
+    return any(base.__module__.startswith(COMFY) for base in cls.__mro__)
+
+
+def _comfy_trees(cls: type) -> list[ast.FunctionDef]:
+    """The forward of a ComfyUI class and the methods of its own it reaches (``self._forward`` through ComfyUI's
+    ``WrapperExecutor``, then ``self.forward_orig``, helpers), breadth first: ComfyUI's forwards run their blocks
+    one or two methods down."""
+    first = _forward_tree(cls)
+    if first is None:
+        return []
+    trees, seen, queue = [], {"forward"}, [first]
+    while queue and len(trees) < _COMFY_METHODS:
+        tree = queue.pop(0)
+        trees.append(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr not in seen:
+                seen.add(node.attr)
+                method = inspect.getattr_static(cls, node.attr, None)
+                if isinstance(method, types.FunctionType) and (found := _tree(method)) is not None:
+                    queue.append(found)
+    return trees
 
 
 def _iterated(loop: ast.For) -> tuple[str, str] | None:
@@ -116,11 +148,23 @@ def _iterated(loop: ast.For) -> tuple[str, str] | None:
     return None
 
 
-def _block_calls(loop: ast.For, var: str) -> list[tuple[ast.Assign, ast.Call]]:
+def _outside_functions(loop: ast.For) -> list[ast.AST]:
+    """The nodes of ``loop`` outside the functions it defines (ComfyUI's ``block_wrap``, handed to a
+    ``patches_replace`` entry as its ``original_block``: the block call it makes is the patch's, not the loop's)."""
+    found, stack = [], [loop]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    return found
+
+
+def _block_calls(loop: ast.For, var: str, comfy: bool = False) -> list[tuple[ast.Assign, ast.Call]]:
     """The assignments ``... = var(...)`` in the loop, with the call (also as a branch of ``a if c else var(...)``;
-    the gradient-checkpointing call of the same block in a training branch is not one)."""
+    the gradient-checkpointing call of the same block in a training branch is not one). ``comfy``: the calls in
+    functions the loop defines are left out (:func:`_outside_functions`)."""
     found = []
-    for node in ast.walk(loop):
+    for node in _outside_functions(loop) if comfy else ast.walk(loop):
         if not isinstance(node, ast.Assign):
             continue
         value = node.value
@@ -183,7 +227,7 @@ def _read_call(attr: str, loop: ast.For, assign: ast.Assign, call: ast.Call, par
     return Loop(attr, tuple(targets), {t: given[t] for t in targets})
 
 
-def _escapes(function: ast.AST, loop: ast.For, call: ast.Assign, streams: tuple[str, ...]) -> str | None:
+def _escapes(function: ast.AST, loop: ast.For, call: ast.Assign, streams: tuple[str, ...], comfy: bool = False) -> str | None:
     """A stream the loop uses outside its block call other than to update a stream (``skips.append(hidden_states)``:
     a cached block's output kept for later), or ``None``. A temporary computed from a stream in the loop
     (``adapter_out = self.adapter(..., hidden_states)``) may only update a stream in the same loop, and is read
@@ -202,18 +246,35 @@ def _escapes(function: ast.AST, loop: ast.For, call: ast.Assign, streams: tuple[
     def escape(stmt: ast.stmt, used: set[str]) -> str:
         return f"{', '.join(sorted(used))} is used outside the block call ({ast.unparse(stmt)[:80]})"
 
-    def visit(statements: list[ast.stmt]) -> str | None:
+    def in_place(stmt: ast.stmt, guarded: bool) -> str | None:
+        """ComfyUI: a stream changed in place between blocks (``x += hint``, ``x[:, :n] = ...``) keeps its identity, so
+        the first call sees one run through it, and a cached step would add what it adds twice (once in the run's
+        residual, once again); only where it happens for ControlNet calls alone (``if control is not None``), which
+        run in full."""
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AugAssign) else []
+        hit = [t for t in targets if (isinstance(t, ast.Subscript) or isinstance(stmt, ast.AugAssign)) and _subscripted(t) in streams]
+        if not hit or guarded:
+            return None
+        return f"{_subscripted(hit[0])} is changed in place between blocks ({ast.unparse(stmt)[:80]}): a cached step would add that twice"
+
+    def visit(statements: list[ast.stmt], guarded: bool = False) -> str | None:
         for stmt in statements:
             if stmt is call:
                 continue
             if isinstance(stmt, (ast.If, ast.While)):
-                if (why := visit(stmt.body)) or (why := visit(stmt.orelse)):
+                inner = guarded or (comfy and any(isinstance(n, ast.Name) and n.id == "control" for n in ast.walk(stmt.test)))
+                if (why := visit(stmt.body, inner)) or (why := visit(stmt.orelse, guarded)):
                     return why
                 continue
             if isinstance(stmt, (ast.For, ast.With)):
-                if (why := visit(stmt.body)) is not None:
+                if (why := visit(stmt.body, guarded)) is not None:
                     return why
                 continue
+            if comfy:
+                if (why := in_place(stmt, guarded)) is not None:
+                    return why
+                if isinstance(stmt, ast.AugAssign) and _subscripted(stmt.target) in streams:
+                    continue  # ComfyUI's ControlNet adds to a stream in place between blocks (``img[:, :n] += add``)
             if isinstance(stmt, ast.Assign):
                 names = [n for t in stmt.targets for n in (_names(t) or ())]
                 bases = {t.value.id for t in stmt.targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)}
@@ -249,24 +310,33 @@ def _escapes(function: ast.AST, loop: ast.For, call: ast.Assign, streams: tuple[
     return f"{', '.join(after)}, computed from a stream in the loop, is read after it" if after else None
 
 
+def _subscripted(target: ast.expr) -> str | None:
+    """``x`` of a target ``x[...]`` (``x[a][b]`` too), else ``None``."""
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    return target.id if isinstance(target, ast.Name) else None
+
+
 @functools.lru_cache(maxsize=256)
 def _read_class(cls: type, block_params: tuple[tuple[str, tuple[str, ...], bool], ...]) -> Reading:
-    tree = _forward_tree(cls)
-    if tree is None:
+    comfy = is_comfy(cls)
+    trees = _comfy_trees(cls) if comfy else [tree] if (tree := _forward_tree(cls)) is not None else []
+    if not trees:
         return Reading((), f"the source of {cls.__name__}.forward cannot be read")
     signatures = {attr: (params, variadic) for attr, params, variadic in block_params}
     readings: dict[str, list[Loop]] = {}  # per list, in source order: one per block call (both branches of an if)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.For) or (found := _iterated(node)) is None or found[0] not in signatures:
-            continue
-        attr, var = found
-        params, variadic = signatures[attr]
-        readings.setdefault(attr, [])
-        for assign, call in _block_calls(node, var):
-            loop = _read_call(attr, node, assign, call, list(params), variadic)
-            if loop.problem is None and (why := _escapes(tree, node, assign, loop.returns)) is not None:
-                loop = Loop(attr, loop.returns, loop.params, why)
-            readings[attr].append(loop)
+    for tree in trees:
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.For) or (found := _iterated(node)) is None or found[0] not in signatures:
+                continue
+            attr, var = found
+            params, variadic = signatures[attr]
+            readings.setdefault(attr, [])
+            for assign, call in _block_calls(node, var, comfy):
+                loop = _read_call(attr, node, assign, call, list(params), variadic)
+                if loop.problem is None and (why := _escapes(tree, node, assign, loop.returns, comfy)) is not None:
+                    loop = Loop(attr, loop.returns, loop.params, why)
+                readings[attr].append(loop)
     loops = []
     for attr, found in readings.items():
         if not found:
@@ -368,6 +438,29 @@ def infer(model: torch.nn.Module) -> Family:
         for attr, _ in model.named_children()
         if attr not in lists and role(attr) == "text" and not any(t in attr for t in ("time", "temb", "timestep"))
     )
+    if is_comfy(type(model)):
+        from .entries import comfy_passes
+
+        cls = type(model)
+        takes = inspect.signature(inspect.unwrap(cls.forward)).parameters
+        if "transformer_options" not in takes and not any(p.kind == p.VAR_KEYWORD for p in takes.values()):
+            raise UnsupportedModelError(
+                f"{unknown} takes no transformer_options, where ComfyUI says which guidance passes (cond, uncond) a call "
+                f"runs: their caches could not be kept apart.{hint}"
+            )
+        return Family(
+            PREFIX + name,
+            f"{name} in ComfyUI (read off its code)",
+            (f"{cls.__module__}.{cls.__qualname__}",),
+            blocks=tuple(cached),
+            latent=latent,
+            prompt=None,  # ComfyUI builds its conditioning anew each step: its passes say which is which
+            keep_last=keep_last,
+            prompt_only=prompt_only,
+            host="comfyui",
+            context=comfy_passes,
+            full_only=("control",),
+        )
     return Family(
         PREFIX + name,
         f"{name} (read off its code)",
@@ -384,11 +477,18 @@ def infer(model: torch.nn.Module) -> Family:
 def resolve(model: Any) -> Family:
     """The registry's entry for ``model``, else one read off its code (:func:`infer`); a clear
     :class:`UnsupportedModelError` where neither can say which blocks to cache."""
-    from . import find, supported
+    from . import find, refusal, supported
 
     family = find(model)
     if family is not None:
         return family
+    refused = refusal(model)
+    if refused is not None:
+        cls = model if isinstance(model, type) else type(model)
+        raise UnsupportedModelError(
+            f"torchfix.families: {cls.__module__}.{cls.__qualname__} ({refused[0]}) is not cached: {refused[1]}. Run it "
+            f"without the cache. Cached: {supported()}."
+        )
     try:
         return infer(model)
     except UnsupportedModelError as exc:

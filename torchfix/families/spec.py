@@ -38,6 +38,8 @@ __all__ = [
     "get",
     "main_denoiser",
     "names",
+    "refusal",
+    "refuse",
     "register",
     "supported",
     "unregister",
@@ -67,6 +69,8 @@ def config_int(module: Any, entry: str) -> int | None:
     value = config_value(module, entry)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+
+_COMFY = "comfy."  # ComfyUI's packages: a class there is matched by its module path only, never by its name alone
 
 # Whose model classes an entry describes: diffusers' (run by its pipelines) or ComfyUI's (``comfy.ldm``).
 HOSTS = ("diffusers", "comfyui")
@@ -299,7 +303,9 @@ def names(builtin: bool = False) -> tuple[str, ...]:
 
 def find(model: Any) -> Family | None:
     """The family of ``model`` (a denoiser instance or class): its class, else the nearest base, named by module
-    path (``"comfy.ldm.flux.model.Flux"``: ComfyUI's classes, some named as diffusers' are) or by name alone.
+    path (``"comfy.ldm.flux.model.Flux"``: ComfyUI's classes, some named as diffusers' are) or by name alone. A
+    ComfyUI class (or a class deriving from one) matches by its own module path only: ComfyUI's subclasses change
+    how blocks are called (Wan VACE adds its hints between blocks), so they are read off their code instead.
 
     >>> find(object()) is None
     True
@@ -307,11 +313,35 @@ def find(model: Any) -> Family | None:
     _load()
     by_class = {c: f for f in _REGISTRY.values() for c in f.classes}
     cls = model if isinstance(model, type) else type(model)
+    comfy = any(base.__module__.startswith(_COMFY) for base in cls.__mro__)
     for base in cls.__mro__:
-        family = by_class.get(f"{base.__module__}.{base.__qualname__}") or by_class.get(base.__name__)
-        if family is not None:
+        family = by_class.get(f"{base.__module__}.{base.__qualname__}")
+        if family is None and not comfy:  # ComfyUI's HiDream has diffusers' class name: never matched by name alone
+            family = by_class.get(base.__name__)
+        if family is not None or comfy:  # ComfyUI's subclasses run blocks their own way (Wan VACE, S2V): read anew
             return family
     return None
+
+
+_REFUSED: dict[str, tuple[str, str]] = {}  # class path -> (what users call it, why it is not cached)
+
+
+def refuse(path: str, title: str, why: str) -> None:
+    """Refuse the class at module path ``path`` (and its subclasses) by name, with the reason: for a class whose
+    blocks would read as cacheable but are not (state added in place inside a helper the code reading cannot see).
+
+    >>> refuse("demo.Model", "A demo", "its blocks share state"); refusal(type("Model", (), {"__module__": "demo"}))
+    ('A demo', 'its blocks share state')
+    >>> _ = _REFUSED.pop("demo.Model")
+    """
+    _REFUSED[path] = (title, why)
+
+
+def refusal(model: Any) -> tuple[str, str] | None:
+    """``(title, why)`` where ``model`` (an instance or a class) is refused by name (:func:`refuse`), else ``None``."""
+    _load()
+    cls = model if isinstance(model, type) else type(model)
+    return next((_REFUSED[p] for b in cls.__mro__ if (p := f"{b.__module__}.{b.__qualname__}") in _REFUSED), None)
 
 
 def supported(kind: str | None = None) -> str:

@@ -38,6 +38,7 @@ from ..errors import TorchfixError
 
 __all__ = [
     "MODELS",
+    "REFUSED",
     "BlockCounter",
     "Server",
     "TinyComfy",
@@ -164,13 +165,25 @@ class TinyComfy:
         g = torch.Generator().manual_seed(seed)
         batch = x.shape[0]
         extra: dict[str, Any] = {}
-        if self.adm and self.name != "chroma":  # Chroma takes no pooled vector
+        if self.adm and self.name not in ("chroma", "chroma-radiance"):  # Chroma takes no pooled vector
             extra["y"] = torch.randn(batch, self.adm, generator=g)
-        if self.name in ("flux", "chroma", "hunyuanvideo"):
+        if self.name in ("flux", "chroma", "chroma-radiance", "hunyuanvideo"):
             extra["guidance"] = torch.full((batch,), 3.5)
-        if self.name == "ltx":
+        if self.name in ("ltx", "mochi"):
             extra["attention_mask"] = torch.ones(batch, 7, dtype=torch.long)
+        if self.name == "mochi":
+            extra["num_tokens"] = 7
+        if self.name in ("lumina2", "omnigen2"):
+            extra["num_tokens"] = 7  # what ComfyUI's Lumina2.extra_conds derives from the text's attention mask
         context = torch.randn(batch, 7, self.context, generator=g)
+        if self.name == "wan-vace":  # what ComfyUI's WAN21_Vace.extra_conds builds: control frames and mask
+            extra["vace_context"] = torch.randn(batch, 1, 96, *x.shape[2:], generator=g)
+            extra["vace_strength"] = [1.0]
+        if self.name == "wan-camera":  # a camera embedding at 8× the latent size (ComfyUI's WanCameraEmbedding)
+            frames, height, width = x.shape[2:]
+            extra["camera_conditions"] = torch.randn(batch, 24, frames, 8 * height, 8 * width, generator=g) * 0.1
+        if self.name == "hidream":
+            extra["encoder_hidden_states_llama3"] = torch.randn(batch, HIDREAM_LLAMA, 7, self.context, generator=g)
         opts = {"cond_or_uncond": list(passes if passes is not None else [0] * batch), **options}
         with torch.inference_mode():  # as ComfyUI's executor runs every node
             return self.patcher.model.apply_model(
@@ -180,6 +193,8 @@ class TinyComfy:
     def conditioning(self, seed: int, tokens: int = 7) -> list:
         g = torch.Generator().manual_seed(seed)
         extra = {"pooled_output": torch.randn(1, self.pooled, generator=g)} if self.pooled else {}
+        if self.name == "hidream":  # its Llama conditioning: hidden states of HIDREAM_LLAMA layers
+            extra["conditioning_llama3"] = torch.randn(1, HIDREAM_LLAMA, tokens, self.context, generator=g)
         return [[torch.randn(1, tokens, self.context, generator=g), {**extra, **self.extra}]]
 
 
@@ -208,6 +223,16 @@ def _unet(**changes: Any) -> dict[str, Any]:
     return config | changes
 
 
+# What ComfyUI's model detection sets for every Cosmos Predict2 checkpoint (comfy/model_detection.py)
+COSMOS2 = {
+    "max_img_h": 240, "max_img_w": 240, "max_frames": 128, "patch_spatial": 2, "patch_temporal": 1, "concat_padding_mask": True,
+    "pos_emb_cls": "rope3d", "pos_emb_learnable": True, "pos_emb_interpolation": "crop", "min_fps": 1, "max_fps": 30,
+    "use_adaln_lora": True,
+    "extra_per_block_abs_pos_emb": False, "rope_h_extrapolation_ratio": 4.0, "rope_w_extrapolation_ratio": 4.0,
+    "rope_t_extrapolation_ratio": 1.0, "extra_h_extrapolation_ratio": 1.0, "extra_w_extrapolation_ratio": 1.0,
+    "extra_t_extrapolation_ratio": 1.0, "rope_enable_fps_modulation": False,
+}  # fmt: skip
+
 # name -> (supported_models class, unet_config, channels, frames, pooled width, extra conditioning)
 MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
     "sd15": ("SD15", _unet(), 4, 0, 0),
@@ -223,6 +248,12 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
                           "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3, "axes_dim": [8, 12, 12],
                           "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 64,
                           "n_layers": 2}, 16, 0, 32),
+    "chroma-radiance": ("ChromaRadiance", {"image_model": "chroma_radiance", "in_channels": 3, "out_channels": 3, "context_in_dim": 32,
+                                           "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3,
+                                           "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 16, "qkv_bias": True, "in_dim": 64,
+                                           "out_dim": 64, "hidden_dim": 64, "n_layers": 2, "nerf_hidden_size": 16, "nerf_mlp_ratio": 2,
+                                           "nerf_depth": 2, "nerf_max_freqs": 4, "nerf_tile_size": 32, "nerf_final_head_type": "conv",
+                                           "nerf_embedder_dtype": torch.float32}, 3, 0, 32),
     "qwenimage": ("QwenImage", {"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 3,
                                 "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 32,
                                 "axes_dims_rope": (8, 12, 12)}, 16, 1, 0),
@@ -232,7 +263,44 @@ MODELS: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
                                       "qkv_bias": True, "guidance_embed": True, "byt5": False, "meanflow": False}, 16, 3, 32),
     "ltx": ("LTXV", {"image_model": "ltxv", "in_channels": 128, "cross_attention_dim": 96, "attention_head_dim": 48,
                      "num_attention_heads": 2, "caption_channels": 32, "num_layers": 3}, 128, 2, 0),
+    # Lumina 2 (NextDiT) and Cosmos Predict2 (MiniTrainDIT): no registry entry, read off their code (families.infer)
+    "lumina2": ("Lumina2", {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 32, "n_layers": 3,
+                            "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16, "qk_norm": True,
+                            "axes_dims": [8, 12, 12], "axes_lens": [300, 512, 512]}, 16, 0, 0),
+    "cosmos2": ("CosmosT2IPredict2", {"image_model": "cosmos_predict2", "in_channels": 16, "out_channels": 16, "model_channels": 64,
+                                      "num_blocks": 3, "num_heads": 2, "crossattn_emb_channels": 32, "adaln_lora_dim": 16,
+                                      **COSMOS2}, 16, 1, 0),
+    "auraflow": ("AuraFlow", {"in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": 64, "n_layers": 4, "n_double_layers": 2,
+                              "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 32, "max_seq": 256}, 4, 0, 0),
+    "omnigen2": ("Omnigen2", {"image_model": "omnigen2", "axes_dim_rope": [8, 12, 12], "axes_lens": [1024, 1664, 1664],
+                              "ffn_dim_multiplier": None, "hidden_size": 64, "in_channels": 16, "multiple_of": 16, "norm_eps": 1e-05,
+                              "num_attention_heads": 2, "num_kv_heads": 2, "num_layers": 3, "num_refiner_layers": 1,
+                              "out_channels": None, "patch_size": 2, "text_feat_dim": 32, "timestep_scale": 1000.0}, 16, 0, 0),
+    "pixart": ("PixArtSigma", {"image_model": "pixart_sigma", "micro_condition": False, "num_heads": 2, "patch_size": 2,
+                               "hidden_size": 64, "in_channels": 4, "depth": 3, "caption_channels": 32, "model_max_length": 16,
+                               "input_size": 32, "pe_interpolation": 0.5}, 4, 0, 0),
+    # Mochi: ComfyUI asserts hidden_size_x × mlp_ratio_x == 1536 × 8 (the real model's MLP width), whatever the size
+    "mochi": ("GenmoMochi", {"image_model": "mochi_preview", "depth": 3, "patch_size": 2, "num_heads": 2, "hidden_size_x": 64,
+                             "hidden_size_y": 32, "mlp_ratio_x": 192.0, "mlp_ratio_y": 2.0, "learn_sigma": False, "in_channels": 12,
+                             "qk_norm": True, "qkv_bias": False, "out_bias": True, "attn_drop": 0.0, "patch_embed_bias": True,
+                             "posenc_preserve_area": True, "timestep_mlp_bias": True, "attend_to_padding": False,
+                             "timestep_scale": 1000.0, "use_t5": True, "t5_feat_dim": 32, "t5_token_length": 16,
+                             "rope_theta": 10000.0}, 12, 2, 0),
+    "wan-camera": ("WAN22_Camera", {"image_model": "wan2.1", "model_type": "camera_2.2", "patch_size": (1, 2, 2), "text_len": 16,
+                                    "in_dim": 16, "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32, "out_dim": 16,
+                                    "num_heads": 2, "num_layers": 4, "in_dim_control_adapter": 24}, 16, 3, 0),
+    "hidream": ("HiDream", {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "attention_head_dim": 32,
+                            "num_attention_heads": 2, "num_layers": 2, "num_single_layers": 2, "num_routed_experts": 2,
+                            "num_activated_experts": 1, "axes_dims_rope": [16, 8, 8], "caption_channels": [32, 32], "text_emb_dim": 32,
+                            "max_resolution": [128, 128], "llama_layers": [0, 1, 1, 1]}, 16, 0, 32),
 }
+# ComfyUI classes the cache refuses by name (tests/comfyui/test_cache.py checks the refusal through the node)
+REFUSED: dict[str, tuple[str, dict[str, Any], int, int, int]] = {
+    "wan-vace": ("WAN21_Vace", {"image_model": "wan2.1", "model_type": "vace", "patch_size": (1, 2, 2), "text_len": 16, "in_dim": 16,
+                                "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32, "out_dim": 16, "num_heads": 2,
+                                "num_layers": 4, "vace_layers": 2, "vace_in_dim": 96}, 16, 3, 0),
+}
+HIDREAM_LLAMA = 2  # Llama layers in the tiny HiDream's conditioning (its llama_layers pick among them)
 
 
 def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyComfy:
@@ -246,7 +314,7 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
     import comfy.model_patcher
     import comfy.supported_models
 
-    cls, config, channels, frames, pooled = MODELS[name]
+    cls, config, channels, frames, pooled = MODELS[name] if name in MODELS else REFUSED[name]
     model_config = getattr(comfy.supported_models, cls)(dict(config))
     model_config.set_inference_dtype(dtype, None)
     model = model_config.get_model({})
@@ -261,9 +329,16 @@ def tiny(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCo
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
-    adm = config.get("adm_in_channels") or config.get("vec_in_dim") or 0
-    sizes = ((12, 20), (14, 22)) if name == "hunyuanvideo" else ((13, 21), (15, 21))  # ComfyUI's HunyuanVideo needs even sizes
-    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name == "ltx" else {}  # LTX's text mask (integer)
+    adm = config.get("adm_in_channels") or config.get("vec_in_dim") or config.get("text_emb_dim") or 0
+    # ComfyUI's HunyuanVideo, Cosmos Predict2, Mochi, Wan VACE and camera (their control inputs) need even sizes
+    even = ("hunyuanvideo", "cosmos2", "wan-vace", "wan-camera", "mochi")
+    sizes = ((12, 20), (14, 22)) if name in even else ((13, 21), (15, 21))
+    if name == "pixart":  # its position embedding's base size is the latent's mean side rounded to 64: at least 32
+        sizes = ((32, 40), (34, 42))
+    if name == "chroma-radiance":  # pixels, 16×16 to a token: 3×5, then 4×5 tokens (56 padded to 64)
+        sizes = ((48, 80), (56, 80))
+    # LTX's text mask (integer); Lumina 2, OmniGen2 and Mochi take their token count from the mask (ComfyUI's extra_conds)
+    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if name in ("ltx", "lumina2", "omnigen2", "mochi") else {}
     return TinyComfy(name, patcher, channels, frames, pooled=pooled, adm=adm, sizes=sizes, extra=extra)
 
 
@@ -299,6 +374,8 @@ def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     from torchfix import families
 
     family = families.find(model)
+    if family is None and not hasattr(model, "input_blocks"):
+        family = families.resolve(model)  # a class read off its code
     if family is not None and family.kind == "transformer":
         return [block for spec in family.blocks for block in getattr(model, spec.attr)]
     groups = [*model.input_blocks, model.middle_block, *model.output_blocks]
