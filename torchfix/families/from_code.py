@@ -383,12 +383,18 @@ def infer(model: torch.nn.Module) -> Family:
 
 def resolve(model: Any) -> Family:
     """The registry's entry for ``model``, else one read off its code (:func:`infer`); a clear
-    :class:`UnsupportedModelError` where neither can say which blocks to cache."""
-    from . import find, supported
+    :class:`UnsupportedModelError` where the registry refuses its class (:func:`torchfix.families.refuse`) or
+    neither can say which blocks to cache."""
+    from . import find, refusal, supported
 
     family = find(model)
     if family is not None:
         return family
+    if (why := refusal(model)) is not None:
+        raise UnsupportedModelError(
+            f"torchfix.families: {type(model).__name__} {why} To cache it anyway, describe it by hand: docs/families.md "
+            "(torchfix.families.register)."
+        )
     try:
         return infer(model)
     except UnsupportedModelError as exc:

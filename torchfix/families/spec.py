@@ -38,6 +38,8 @@ __all__ = [
     "get",
     "main_denoiser",
     "names",
+    "refusal",
+    "refuse",
     "register",
     "supported",
     "unregister",
@@ -312,6 +314,29 @@ def find(model: Any) -> Family | None:
         if family is not None:
             return family
     return None
+
+
+_REFUSED: dict[str, str] = {}
+
+
+def refuse(cls: str, reason: str) -> None:
+    """Record that the cache refuses the class ``cls`` (its name, or its module path) with ``reason``: a class whose
+    forward reads like a denoiser's but that the cache must not drive (a building block nested in other models, a
+    model whose output a cached step would compute from nothing of its own input). Matched on the class itself, not
+    its subclasses; an entry :func:`register` takes for the class wins over it.
+
+    >>> refuse("DemoBlock", "is a demo building block, not a denoiser.")
+    >>> refusal(type("DemoBlock", (), {})())
+    'is a demo building block, not a denoiser.'
+    """
+    _REFUSED[cls] = reason
+
+
+def refusal(model: Any) -> str | None:
+    """Why the cache refuses ``model``'s class (:func:`refuse`), or ``None``."""
+    _load()
+    cls = model if isinstance(model, type) else type(model)
+    return _REFUSED.get(f"{cls.__module__}.{cls.__qualname__}") or _REFUSED.get(cls.__name__)
 
 
 def supported(kind: str | None = None) -> str:
