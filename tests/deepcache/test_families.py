@@ -216,15 +216,9 @@ def test_a_signature_other_than_the_entrys_is_refused_before_anything_is_cached(
 # What every family's cache does on its tiny builder (random weights) at interval 3 over 8 steps: at least 1.5x less
 # denoiser work, final latents within rel-L2 0.05 of the uncached run. Where a family cannot meet the error on random
 # weights, the reason, measured (the cache is not what fails it): the test then expects it to fail (strict: a fix shows).
-# Day-0 builders whose tiny config spends most of a step outside the cached blocks (they run every step)
-SHORT_ON_WORK = {
-    "auto:BriaFibo2Transformer2DModel": "its noise refiner and gist-token perceiver run on every step and are most of the tiny "
-    "config's work (1.28x); deepened to 12 blocks, 1.70x (benchmarks/families.py --day0)",
-}
-DRIFTS_ON_RANDOM_WEIGHTS = {
-    "auto:BriaFibo2Transformer2DModel": "rel-L2 0.067 on random weights: its gist tokens are re-derived from the text every "
-    "step and padded per sample; not analysed further (a day-0 class, no trained model here)",
-}
+# None today (Z-Image and Bria FIBO 2 were, until their entries held the cached residual: torchfix.families.entries).
+SHORT_ON_WORK: dict[str, str] = {}  # builders whose tiny config spends most of a step outside the cached blocks
+DRIFTS_ON_RANDOM_WEIGHTS: dict[str, str] = {}
 
 
 def test_interval_3_saves_a_third_of_the_work_and_stays_close(tiny, model):

@@ -74,6 +74,7 @@ ADDED_IN = {
     "NucleusMoEImageTransformer2DModel": "0.38.0",
     "JoyImageEditTransformer3DModel": "0.39.0",
     "MotifVideoTransformer3DModel": "0.39.0",
+    "BriaFibo2Transformer2DModel": "0.42.0",
     # the day-0 builders' classes (no registry entry), read off each release's exports the same way
     "HunyuanImageTransformer2DModel": "0.36.0",
     "BriaFiboTransformer2DModel": "0.36.0",
@@ -93,7 +94,6 @@ ADDED_IN = {
     "MiniMaxMusic3Transformer1DModel": "0.40.0",
     "QwenImage21Transformer2DModel": "0.41.0",
     "Flux3Transformer2DModel": "0.42.0",
-    "BriaFibo2Transformer2DModel": "0.42.0",
     "Kandinsky6Transformer3DModel": "0.42.0",
     "Kandinsky6SRTransformer3DModel": "0.42.0",
     "SanaWMLTX2RefinerTransformer3DModel": "0.42.0",
