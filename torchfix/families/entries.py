@@ -313,14 +313,14 @@ register(
         prompt="cap_feats",
         prompt_only=("cap_embedder", "context_refiner"),  # the caption's refiner takes no timestep
         # Reuse the cached residual as it was (no forecast). Its blocks' updates are gated by tanh(W·t_emb) of a
-        # 1000-scaled time embedding alone (no pooled text in the modulation, as Flux's and SD3's have), so the residual
-        # a full step cached carries that step's gates: a modulation kept stale. The embedding moves 0.18 a step of 8
-        # on a tiny Z-Image trained here (1.0 on random weights), and the residual jumps with it; holding the layers'
-        # modulation fixed halves the drift (trained 0.054 -> 0.036, random 0.056 -> 0.030). Extrapolating such a
-        # residual overshoots: at interval 3 over 8 steps, the same work, forecast 0 drifts 0.036 against 0.054 for the
-        # linear forecast on the trained model (mean of 6 seeds), 0.044 against 0.056 on random weights; over 20 steps
-        # at interval 4, 0.0244 against 0.0243; where the warm-up's extra full step costs work (interval 3 over 20
-        # steps: 8 full steps instead of 9), 0.0193 against 0.0181.
+        # 1000-scaled time embedding alone (no pooled text in the modulation, as Flux's and SD3's have), so a residual a
+        # full step cached carries that step's gates: a modulation kept stale. On random weights the embedding is white
+        # noise between steps (it moves 1.0 a step of 8; 0.17 on a tiny Z-Image trained here), and holding the cached
+        # layers' modulation fixed takes the drift from 0.056 to 0.030 (trained: 0.051 to 0.044). Extrapolating a residual
+        # that jumps so overshoots. benchmarks/zimage_forecast.py, mean of 6 seeds, held (0) against linear (1): at 8
+        # steps, Z-Image-Turbo's schedule, interval 3, the same work: trained 0.039 against 0.051, random 0.044 against
+        # 0.056; at 20 steps, interval 4, the same work: trained 0.0178 against 0.0168 (6% more), random 0.040 against
+        # 0.048; interval 3 over 20 steps skips the warm-up's extra full step (8 full instead of 9): 0.0135 against 0.0119.
         defaults={"forecast": 0},
         pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline"),
     )
