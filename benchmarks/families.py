@@ -97,7 +97,7 @@ DEEPER: dict[str, dict[str, Any]] = {
     "auto:GlmImageTransformer2DModel": {"num_layers": DEPTH},
     "auto:ErnieImageTransformer2DModel": {"num_layers": DEPTH},
     "auto:HunyuanImageTransformer2DModel": {"num_layers": 9, "num_single_layers": 9},
-    "auto:BriaFibo2Transformer2DModel": {"n_layers": DEPTH},
+    "bria-fibo2": {"n_layers": DEPTH},
     "auto:PRXTransformer2DModel": {"depth": DEPTH},
     "auto:OmniGenTransformer2DModel": {"num_layers": DEPTH},
     "auto:DreamLiteTransformer2DModel": {"num_layers": DEPTH},
@@ -112,6 +112,8 @@ DEEPER: dict[str, dict[str, Any]] = {
     "auto:AceStepTransformer1DModel": {"num_hidden_layers": DEPTH},
     "auto:MiniMaxMusic3Transformer1DModel": {"num_layers": DEPTH},
     "auto:LongCatAudioDiTTransformer": {"dit_depth": DEPTH},
+    "auto:AnyFlowTransformer3DModel": {"num_layers": DEPTH},
+    "auto:SanaWMTransformer3DModel": {"num_layers": DEPTH, "chunk_plucker_post_attn_blocks": DEPTH},
 }
 
 

@@ -95,7 +95,7 @@ def family_run(model: torch.nn.Module, family: str, config: Any = None, still: b
     try:
         with torch.no_grad():
             for i in range(STEPS):
-                out = output_of(model(**{**call, tiny.latent: x, tiny.timestep: _timestep(tiny, 1.0 - i / STEPS, x.shape[0])}))
+                out = output_of(model(**{**call, tiny.latent: x, tiny.timestep: _timestep(tiny, 1.0 - i / STEPS, x.shape[0], x)}))
                 x = _update(x, out, 1.0 / STEPS)
                 if still:
                     half = x.shape[1] // 2

@@ -16,7 +16,7 @@ from torchfix import families
 
 pytest.importorskip("diffusers")
 
-from torchfix.testing.families import FAMILIES, Tiny, denoise, output_of
+from torchfix.testing.families import FAMILIES, Tiny, _timestep, denoise, output_of
 
 NAMES = sorted(FAMILIES)
 CFG = torchfix.DeepCacheConfig(interval=3, num_steps=8)
@@ -137,7 +137,7 @@ def test_a_cached_step_fed_a_full_steps_input_returns_its_output(tiny, model):
     what the full step computed, up to rounding. A cache that mixes up its streams fails this by O(1)."""
     torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=2, warm_up=False, forecast=0, stop=1.0))
     arguments = tiny.arguments()
-    args = {**arguments, tiny.timestep: torch.full((1,), 0.7 * tiny.scale)}
+    args = {**arguments, tiny.timestep: _timestep(tiny, 0.7, 1, arguments[tiny.latent])}
     with torch.no_grad():
         full = flat([output_of(model(**args))])
         cached = flat([output_of(model(**args))])
@@ -216,18 +216,9 @@ def test_a_signature_other_than_the_entrys_is_refused_before_anything_is_cached(
 # What every family's cache does on its tiny builder (random weights) at interval 3 over 8 steps: at least 1.5x less
 # denoiser work, final latents within rel-L2 0.05 of the uncached run. Where a family cannot meet the error on random
 # weights, the reason, measured (the cache is not what fails it): the test then expects it to fail (strict: a fix shows).
-# Day-0 builders whose tiny config spends most of a step outside the cached blocks (they run every step)
-SHORT_ON_WORK = {
-    "auto:BriaFibo2Transformer2DModel": "its noise refiner and gist-token perceiver run on every step and are most of the tiny "
-    "config's work (1.28x); deepened to 12 blocks, 1.70x (benchmarks/families.py --day0)",
-}
-DRIFTS_ON_RANDOM_WEIGHTS = {
-    "auto:BriaFibo2Transformer2DModel": "rel-L2 0.067 on random weights: its gist tokens are re-derived from the text every "
-    "step and padded per sample; not analysed further (a day-0 class, no trained model here)",
-    "zimage": "its blocks' updates are gated by tanh(W·t_emb) alone, and a random time embedder is white noise between "
-    "steps 1/8 apart (the 1000-scaled sinusoid's fast frequencies alias): the residual changes 72% a step (peers 5-47%). "
-    "With those frequencies weighted down, as a trained embedder does, the same cache drifts 0.011 (mean of 6 seeds)",
-}
+# None today (Z-Image and Bria FIBO 2 were, until their entries held the cached residual: torchfix.families.entries).
+SHORT_ON_WORK: dict[str, str] = {}  # builders whose tiny config spends most of a step outside the cached blocks
+DRIFTS_ON_RANDOM_WEIGHTS: dict[str, str] = {}
 
 
 def test_interval_3_saves_a_third_of_the_work_and_stays_close(tiny, model):

@@ -90,7 +90,7 @@ def test_a_prompt_changed_in_place_or_replaced_runs_them(without_prompt_only):
                     args["encoder_hidden_states_2"].mul_(2.0)
                 if i == 6:
                     args["encoder_hidden_states_2"] = args["encoder_hidden_states_2"] + 1.0
-                out = output_of(model(**{**args, tiny.latent: latents, tiny.timestep: _timestep(tiny, 1 - i / 8, 1)}))
+                out = output_of(model(**{**args, tiny.latent: latents, tiny.timestep: _timestep(tiny, 1 - i / 8, 1, latents)}))
                 outs.append(out)
                 latents = _update(latents, out, 1 / 8)
         return outs

@@ -313,7 +313,37 @@ register(
         latent="x",
         prompt="cap_feats",
         prompt_only=("cap_embedder", "context_refiner"),  # the caption's refiner takes no timestep
+        # Reuse the cached residual as it was (no forecast). Its blocks' updates are gated by tanh(W·t_emb) of a
+        # 1000-scaled time embedding alone (no pooled text in the modulation, as Flux's and SD3's have), so a residual a
+        # full step cached carries that step's gates: a modulation kept stale. On random weights the embedding is white
+        # noise between steps (it moves 1.0 a step of 8; 0.17 on a tiny Z-Image trained here), and holding the cached
+        # layers' modulation fixed takes the drift from 0.056 to 0.030 (trained: 0.051 to 0.044). Extrapolating a residual
+        # that jumps so overshoots. benchmarks/zimage_forecast.py, mean of 6 seeds, held (0) against linear (1): at 8
+        # steps, Z-Image-Turbo's schedule, interval 3, the same work: trained 0.039 against 0.051, random 0.044 against
+        # 0.056; at 20 steps, interval 4, the same work: trained 0.0178 against 0.0168 (6% more), random 0.040 against
+        # 0.048; interval 3 over 20 steps skips the warm-up's extra full step (8 full instead of 9): 0.0135 against 0.0119.
+        defaults={"forecast": 0},
         pipelines=("ZImagePipeline", "ZImageImg2ImgPipeline"),
+    )
+)
+
+# Bria FIBO 2: Z-Image's block (diffusers' BriaFibo2TransformerBlock) behind a noise refiner and a Perceiver that
+# squeezes the text into gist tokens. Read off its code, it caches `layers` as this entry does; the entry adds what the
+# code does not say. The Perceiver reads the text encoder's first bundle alone (no timestep): prompt-only. The time
+# embedder runs twice a step, on the step's timestep and on t = 0 for the clean tokens: a cached step reuses the t = 0
+# call's output (prompt_only checks its input every call, so the reuse is exact; the timestep's call runs). On the tiny
+# builder the two are 44% of a step (the embedder's 256 -> 1024 MLP 32%), and reusing them takes the cache from 1.28x to
+# 1.66x less work, bit-identical. The forecast: Z-Image's (its block's tanh gates of a 1000-scaled time embedding
+# alone; see zimage above): 0.067 -> 0.036 at interval 3 over 8 steps (seeds 1 and 2: 0.049 -> 0.041, 0.053 -> 0.039).
+register(
+    Family(
+        "bria-fibo2",
+        "Bria FIBO 2",
+        ("BriaFibo2Transformer2DModel",),
+        blocks=(single("layers", "x"),),
+        prompt_only=("perceiver", "t_embedder"),
+        defaults={"forecast": 0},
+        pipelines=("BriaFibo2Pipeline",),
     )
 )
 
@@ -726,5 +756,47 @@ COMFY_REFUSED = {
 }
 for _path, (_title, _why) in COMFY_REFUSED.items():
     refuse(COMFY + _path, _title, _why)
+
+# --- Refused: classes whose forward reads like a denoiser's, that the cache must not drive ----------------------
+
+# diffusers' generic transformer: the attention layers inside UNet2DConditionModel's cross-attention blocks (every
+# SD1.x/2.x/SDXL UNet holds several), and the denoiser of the deprecated VQ-Diffusion pipeline only. DiT and PixArt
+# checkpoints saved under this class name load as DiTTransformer2DModel / PixArtTransformer2DModel
+# (diffusers' model_loading_utils._CLASS_REMAPPING_DICT), which the cache drives as `dit` and `pixart`.
+refuse(
+    "diffusers.models.transformers.transformer_2d.Transformer2DModel",
+    "diffusers' generic transformer",
+    "it is diffusers' generic transformer building block: the attention layers nested inside UNet2DConditionModel "
+    "(SD1.x/2.x/SDXL) and other UNets, called on a UNet's features rather than on latents, so it has no denoising step "
+    "of its own to cache. Cache the model that holds it (the UNet: family 'unet'); DiT and PixArt checkpoints saved as "
+    "Transformer2DModel load as DiTTransformer2DModel and PixArtTransformer2DModel, which the cache supports ('dit', "
+    "'pixart')",
+    subclasses=False,
+)
+# The temporal layers of UNet3DConditionModel and I2VGenXLUNet (unet_3d_blocks: `temp_attn(hidden_states,
+# num_frames=...)`, no timestep): no pipeline runs it as its denoiser.
+refuse(
+    "diffusers.models.transformers.transformer_temporal.TransformerTemporalModel",
+    "diffusers' temporal transformer",
+    "it is a building block: the temporal attention layers inside UNet3DConditionModel and I2VGenXLUNet, called on a "
+    "UNet's features (no timestep passed) rather than on latents, so it has no denoising step of its own to cache; "
+    "no diffusers pipeline runs it as its denoiser",
+    subclasses=False,
+)
+# Kandinsky 2.x's and unCLIP's prior: it denoises one CLIP image embedding per sample, which enters as one token of a
+# sequence otherwise made of the prompt's tokens, the projected text embedding and the time token, and its output is
+# read at a learned query token (`prd_embedding`: `hidden_states[:, -1]`) whose input is the same at every step. With
+# its blocks cached, a cached step's output would be computed from nothing of that step's own input: the latent and
+# the timestep reach the output only through the blocks a cached step skips.
+refuse(
+    "diffusers.models.transformers.prior_transformer.PriorTransformer",
+    "Kandinsky 2.x / unCLIP prior",
+    "it is a prior over CLIP image embeddings, not a denoiser of latents: the embedding it denoises is one token of a "
+    "sequence of prompt tokens, and its output is read at a learned query token (prd_embedding, as Kandinsky 2.x's "
+    "and unCLIP's priors have it) whose input is the same at every step, so with its transformer_blocks cached a "
+    "cached step's output would not depend on that step's latent or timestep at all (they reach the output only "
+    "through the skipped blocks)",
+    subclasses=False,
+)
 
 builtin_done()

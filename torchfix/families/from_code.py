@@ -476,7 +476,8 @@ def infer(model: torch.nn.Module) -> Family:
 
 def resolve(model: Any) -> Family:
     """The registry's entry for ``model``, else one read off its code (:func:`infer`); a clear
-    :class:`UnsupportedModelError` where neither can say which blocks to cache."""
+    :class:`UnsupportedModelError` where the registry refuses its class (:func:`torchfix.families.refuse`) or
+    neither can say which blocks to cache."""
     from . import find, refusal, supported
 
     family = find(model)
@@ -487,7 +488,7 @@ def resolve(model: Any) -> Family:
         cls = model if isinstance(model, type) else type(model)
         raise UnsupportedModelError(
             f"torchfix.families: {cls.__module__}.{cls.__qualname__} ({refused[0]}) is not cached: {refused[1]}. Run it "
-            f"without the cache. Cached: {supported()}."
+            f"without the cache, or describe it by hand (torchfix.families.register, docs/families.md). Cached: {supported()}."
         )
     try:
         return infer(model)

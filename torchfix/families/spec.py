@@ -323,25 +323,32 @@ def find(model: Any) -> Family | None:
     return None
 
 
-_REFUSED: dict[str, tuple[str, str]] = {}  # class path -> (what users call it, why it is not cached)
+_REFUSED: dict[str, tuple[str, str, bool]] = {}  # class path -> (what users call it, why it is not cached, subclasses too)
 
 
-def refuse(path: str, title: str, why: str) -> None:
-    """Refuse the class at module path ``path`` (and its subclasses) by name, with the reason: for a class whose
-    blocks would read as cacheable but are not (state added in place inside a helper the code reading cannot see).
+def refuse(path: str, title: str, why: str, *, subclasses: bool = True) -> None:
+    """Refuse the class at module path ``path`` by name, with the reason: a class whose forward reads like a
+    denoiser's but that the cache must not drive (state added in place inside a helper the code reading cannot see, a
+    building block nested in other models, a model whose output a cached step would compute from nothing of its own
+    input). ``subclasses``: its subclasses too (a subclass of a refused diffusers building block is the user's own,
+    read off its code). An entry :func:`register` takes for the class wins over it.
 
     >>> refuse("demo.Model", "A demo", "its blocks share state"); refusal(type("Model", (), {"__module__": "demo"}))
     ('A demo', 'its blocks share state')
     >>> _ = _REFUSED.pop("demo.Model")
     """
-    _REFUSED[path] = (title, why)
+    _REFUSED[path] = (title, why, subclasses)
 
 
 def refusal(model: Any) -> tuple[str, str] | None:
     """``(title, why)`` where ``model`` (an instance or a class) is refused by name (:func:`refuse`), else ``None``."""
     _load()
     cls = model if isinstance(model, type) else type(model)
-    return next((_REFUSED[p] for b in cls.__mro__ if (p := f"{b.__module__}.{b.__qualname__}") in _REFUSED), None)
+    for base in cls.__mro__:
+        refused = _REFUSED.get(f"{base.__module__}.{base.__qualname__}")
+        if refused is not None and (base is cls or refused[2]):
+            return refused[:2]
+    return None
 
 
 def supported(kind: str | None = None) -> str:

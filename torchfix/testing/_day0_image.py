@@ -338,36 +338,6 @@ TINY: list[Tiny] = [
         batch_dim=(("text_encoder_layers", 1),),
     ),
     Tiny(
-        "auto:BriaFibo2Transformer2DModel",
-        "BriaFibo2Transformer2DModel",
-        {
-            "in_channels": 4,
-            "patch_size": 2,
-            "dim": 32,
-            "n_layers": 2,
-            "n_refiner_layers": 2,
-            "n_heads": 2,
-            "cap_feat_dim": 16,
-            "injection_layer_ids": (1,),
-            "perceiver_num_layers": 2,
-            "min_num_gist_tokens": 4,
-            "max_num_gist_tokens": 8,
-            "gist_step": 4,
-            "gist_min_text_len": 4,
-            "gist_max_text_len": 16,
-            "axes_dims": (4, 6, 6),
-            "axes_lens": (16, 16, 16),
-        },
-        # the Perceiver's bundle, then one bundle per injection block: (batch, 1 + injections, tokens, width)
-        lambda c: {
-            "hidden_states": _image(c),
-            "encoder_hidden_states": c.randn(c.batch, 2, 10, 16, prompt=True),
-            "encoder_attention_mask": _bool(c.batch, 10),
-        },
-        scale=1.0,
-        sizes=((8, 8), (6, 10)),
-    ),
-    Tiny(
         "auto:PRXTransformer2DModel",
         "PRXTransformer2DModel",
         {

@@ -335,6 +335,66 @@ def _sana_wm_refiner_inputs(c: Call) -> dict[str, Any]:
     }
 
 
+# --- AnyFlow and SANA-WM (timesteps per frame) ---------------------------------------------------------------------
+
+
+def _per_frame(frames_dim: int, layout: tuple[int, ...]) -> Any:
+    """A ``timestep_as``: the step's one timestep per sample repeated over the latents' frames (dimension
+    ``frames_dim``), viewed as ``layout`` with ``-1`` for the frames (AnyFlow: ``(batch, frames)``; SANA-WM:
+    ``(batch, 1, frames)``), as their pipelines pass it."""
+
+    def layout_of(t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        frames = latents.shape[frames_dim]
+        return t[:, None].repeat(1, frames).view(*(t.shape[0] if d == 0 else frames if d == -1 else d for d in layout))
+
+    return layout_of
+
+
+def _anyflow_inputs(c: Call) -> dict[str, Any]:
+    """AnyFlow's step: latents ``(batch, frames, channels, h, w)``, text, and the flow map's target timestep
+    ``r_timestep`` per frame, 0 here (the map to the clean end: the loop moves one timestep argument; AnyFlow's
+    pipeline passes the next sigma's, or the step's own timestep without mean velocity)."""
+    return {
+        "hidden_states": c.randn(c.batch, c.frames, 4, *c.size),
+        "encoder_hidden_states": _text(c, 12, 16),
+        "r_timestep": torch.zeros(c.batch, c.frames),
+    }
+
+
+_SANA_WM = {  # diffusers' test sizes (tests/models/transformers/test_models_transformer_sana_wm.py; 0.42.1 takes no model_max_length)
+    "in_channels": 4,
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "patch_size": (1, 1, 1),
+    "softmax_every_n": 2,  # block 0 the GDN attention, block 1 the softmax one
+    "linear_head_dim": 16,
+    "t_kernel_size": 3,
+    "conv_kernel_size": 4,
+    "caption_channels": 8,
+    "mlp_ratio": 2.0,
+    "chunk_plucker_channels": 8,
+    "chunk_plucker_post_attn_blocks": 2,
+}
+
+
+def _sana_wm_inputs(c: Call) -> dict[str, Any]:
+    """SANA-WM's step as its test calls it: latents ``(batch, channels, frames, h, w)``, text ``(batch, 1, L, D)`` and
+    its mask, the camera (a flat 4x4 camera-to-world moving forward, then pinhole intrinsics ``fx, fy, cx, cy``: one
+    row of 20 per frame) and the Plucker ray embeddings."""
+    h, w = c.size
+    c2w = torch.eye(4).repeat(c.batch, c.frames, 1, 1)
+    c2w[..., 2, 3] = torch.arange(c.frames, dtype=torch.float32) * 0.1
+    intrinsics = torch.tensor([float(w), float(h), w / 2, h / 2]).expand(c.batch, c.frames, 4)
+    return {
+        "hidden_states": _video(c),
+        "encoder_hidden_states": c.randn(c.batch, 1, 16, 8, prompt=True),
+        "encoder_attention_mask": torch.ones(c.batch, 16, dtype=torch.long),
+        "camera_conditions": torch.cat([c2w.flatten(start_dim=-2), intrinsics], dim=-1),
+        "chunk_plucker": c.randn(c.batch, 8, c.frames, h, w),
+    }
+
+
 # --- MiniMax-H3 (joint video + audio) ----------------------------------------------------------------------------
 
 _H3_TEXT, _H3_AUDIO = 4, 6
@@ -558,24 +618,38 @@ TINY: list[Tiny] = [
         scale=1.0,
         sizes=((1, 16), (1, 23)),
     ),
+    Tiny(
+        "auto:AnyFlowTransformer3DModel",
+        "AnyFlowTransformer3DModel",
+        {  # diffusers' test sizes (tests/models/transformers/test_models_transformer_anyflow.py): Wan's, and its gate
+            **{k: v for k, v in WAN.items() if k != "qk_norm"},
+            "gate_value": 0.25,
+            "deltatime_type": "r",
+        },
+        _anyflow_inputs,
+        sizes=((4, 4), (6, 8)),  # patch (1, 2, 2): even sides
+        frames=(2, 3),
+        timestep_as=_per_frame(1, (0, -1)),
+    ),
+    Tiny(
+        "auto:SanaWMTransformer3DModel",
+        "SanaWMTransformer3DModel",
+        _SANA_WM,
+        _sana_wm_inputs,
+        sizes=((4, 4), (5, 6)),
+        frames=(4, 3),
+        prompts=("encoder_hidden_states",),
+        timestep_as=_per_frame(2, (0, 1, -1)),
+    ),
 ]
 
 
 UNBUILDABLE: dict[str, str] = {
-    "AnyFlowTransformer3DModel": (
-        "its timestep and r_timestep are per frame, (batch, frames): the condition embedder unpacks "
-        "`batch_size, num_frames = timestep.shape`, so the (batch,) timestep families.denoise passes raises; it also "
-        "takes a second timestep (r, the flow map's target) the loop cannot move"
-    ),
     "AnyFlowFARTransformer3DModel": (
         "its timestep and r_timestep are per frame, (batch, frames) (the condition embedder slices "
         "`timestep[:, -num_full_frames:]`), which families.denoise's (batch,) timestep cannot be; its denoising step "
         "(`kv_cache` given, not a cache step) also reads a per-block list of K/V dicts filled by a prefill call, "
         "and its causal self-attention runs on the flex backend only"
-    ),
-    "SanaWMTransformer3DModel": (
-        "its timestep is per frame, (batch, 1, frames) (LTX style): each block reads `num_frames = t.shape[2]` from "
-        "the modulation, so the (batch,) timestep families.denoise passes raises IndexError"
     ),
     "Cosmos3OmniTransformer": (
         "one packed sequence per call, no batch dimension: the vision timesteps are per noisy patch "

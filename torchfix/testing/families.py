@@ -25,8 +25,17 @@ from .tiny import ADDED_IN, LTX2, WAN, Call, Size, Tiny, _batch, _diffusers_belo
 __all__ = ["ADDED_IN", "FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
 
 
-def _timestep(tiny: Tiny, t: float, batch: int) -> torch.Tensor:
-    return torch.full((batch,), t * tiny.scale)
+def _timestep(tiny: Tiny, t: float, batch: int, latents: Any = None) -> torch.Tensor:
+    """The timestep ``t`` (1 = noise) of a step as ``tiny``'s model takes it: one value per sample, or the builder's
+    ``timestep_as`` of it (per frame, or 1 = clean) where it has one and ``latents`` are given."""
+    step = torch.full((batch,), t * tiny.scale)
+    return step if tiny.timestep_as is None or latents is None else tiny.timestep_as(step, latents)
+
+
+def _clean_is_one(t: torch.Tensor, latents: Any) -> torch.Tensor:
+    """A ``timestep_as`` for models whose time runs the other way (1 = the clean image), as their pipelines pass it:
+    ZImagePipeline ``(1000 - t) / 1000``, Lumina2Pipeline ``1 - t / num_train_timesteps``."""
+    return 1.0 - t
 
 
 def output_of(out: Any) -> Any:
@@ -96,7 +105,7 @@ def denoise(
         for k, call in enumerate(calls):
             named = getattr(model, "cache_context", None) if context else None  # SD3's transformer has none
             with named(names[k]) if named is not None else contextlib.nullcontext():
-                out = output_of(model(**{**call, tiny.latent: latents, tiny.timestep: _timestep(tiny, t, _batch(latents))}))
+                out = output_of(model(**{**call, tiny.latent: latents, tiny.timestep: _timestep(tiny, t, _batch(latents), latents)}))
             outputs[k].append(out)
             first = out if first is None else first
         latents = _update(latents, first, 1.0 / steps)
@@ -474,6 +483,7 @@ _TINY = [
             "encoder_attention_mask": torch.ones(c.batch, 16, dtype=torch.bool),
         },
         scale=1.0,
+        timestep_as=_clean_is_one,
     ),
     Tiny(
         "cogview4",
@@ -535,6 +545,7 @@ _TINY = [
         latent="x",
         timestep="t",
         scale=1.0,
+        timestep_as=_clean_is_one,
         prompts=("cap_feats",),
         per_sample=("x", "cap_feats"),
     ),
@@ -1019,6 +1030,36 @@ _TINY = [
         },
         lambda c: {"hidden_states": _video(c), "encoder_hidden_states": _text(c, 8, 8), "enable_temporal_attentions": True},
         frames=(2, 2),  # its temporal position embedding is for video_length frames
+    ),
+    Tiny(
+        "bria-fibo2",
+        "BriaFibo2Transformer2DModel",
+        {
+            "in_channels": 4,
+            "patch_size": 2,
+            "dim": 32,
+            "n_layers": 2,
+            "n_refiner_layers": 2,
+            "n_heads": 2,
+            "cap_feat_dim": 16,
+            "injection_layer_ids": (1,),
+            "perceiver_num_layers": 2,
+            "min_num_gist_tokens": 4,
+            "max_num_gist_tokens": 8,
+            "gist_step": 4,
+            "gist_min_text_len": 4,
+            "gist_max_text_len": 16,
+            "axes_dims": (4, 6, 6),
+            "axes_lens": (16, 16, 16),
+        },
+        # the Perceiver's bundle, then one bundle per injection block: (batch, 1 + injections, tokens, width)
+        lambda c: {
+            "hidden_states": _image(c),
+            "encoder_hidden_states": c.randn(c.batch, 2, 10, 16, prompt=True),
+            "encoder_attention_mask": torch.ones(c.batch, 10, dtype=torch.bool),
+        },
+        scale=1.0,
+        sizes=((8, 8), (6, 10)),
     ),
 ]
 

@@ -74,6 +74,7 @@ ADDED_IN = {
     "NucleusMoEImageTransformer2DModel": "0.38.0",
     "JoyImageEditTransformer3DModel": "0.39.0",
     "MotifVideoTransformer3DModel": "0.39.0",
+    "BriaFibo2Transformer2DModel": "0.42.0",
     # the day-0 builders' classes (no registry entry), read off each release's exports the same way
     "HunyuanImageTransformer2DModel": "0.36.0",
     "BriaFiboTransformer2DModel": "0.36.0",
@@ -93,10 +94,11 @@ ADDED_IN = {
     "MiniMaxMusic3Transformer1DModel": "0.40.0",
     "QwenImage21Transformer2DModel": "0.41.0",
     "Flux3Transformer2DModel": "0.42.0",
-    "BriaFibo2Transformer2DModel": "0.42.0",
     "Kandinsky6Transformer3DModel": "0.42.0",
     "Kandinsky6SRTransformer3DModel": "0.42.0",
     "SanaWMLTX2RefinerTransformer3DModel": "0.42.0",
+    "SanaWMTransformer3DModel": "0.42.0",
+    "AnyFlowTransformer3DModel": "0.42.0",
 }
 
 
@@ -127,6 +129,9 @@ class Tiny:
         inputs: ``(Call) -> arguments`` of one step (the latents, the prompt, everything but the timestep).
         latent: the argument the loop updates (also the family's ``latent``).
         timestep: the argument that carries the timestep; ``scale``: 1000 (DDPM-like) or 1 (flow matching).
+        timestep_as: ``(timestep, latents) -> timestep`` where the model takes the step's timestep otherwise than
+            one value per sample with 1 = noise, as its pipeline passes it: in another layout (AnyFlow's
+            ``(batch, frames)``, SANA-WM's ``(batch, 1, frames)``) or the other way round (Z-Image, Lumina 2: 1 = clean).
         sizes: two latent sizes it runs at (the second odd where the family allows), ``frames``: two frame counts.
         prompts: the arguments holding the prompt (a guidance stream: a second prompt replaces them).
         build_with: a function that builds it instead (the UNets come from :mod:`torchfix.testing`).
@@ -148,6 +153,7 @@ class Tiny:
     shared: tuple[str, ...] = ()  # tensors with no batch dimension (position ids)
     batch_dim: tuple[tuple[str, int], ...] = ()  # tensors whose batch dimension is not the first (HiDream's llama states)
     per_frame: tuple[str, ...] = ()  # tensors whose first dimension folds the batch and the frames (AnimateDiff's prompt)
+    timestep_as: Callable[[torch.Tensor, Any], torch.Tensor] | None = field(default=None, compare=False)
 
     @property
     def key(self) -> str:
