@@ -488,7 +488,7 @@ def resolve(model: Any) -> Family:
         cls = model if isinstance(model, type) else type(model)
         raise UnsupportedModelError(
             f"torchfix.families: {cls.__module__}.{cls.__qualname__} ({refused[0]}) is not cached: {refused[1]}. Run it "
-            f"without the cache, or describe it by hand (torchfix.families.register, docs/families.md). Cached: {supported()}."
+            "without the cache, or describe it by hand (torchfix.families.register, docs/families.md)."
         )
     try:
         return infer(model)
