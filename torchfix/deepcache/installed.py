@@ -71,9 +71,9 @@ def check(state: CacheState) -> tuple[bool, bool]:
     """At the start of a denoiser call: ``(engaged, moved)``: whether this call caches (:func:`engaged`), and
     whether DeepCache's model forward had to move outside diffusers' context-parallel hooks (:func:`order_hooks`: the
     call reached it already split). Where engaged, the pipeline's scheduler is followed (:func:`follow_scheduler`)."""
-    if not engaged(state):
-        return False, False
     moved = order_hooks(state)[0]
+    if not engaged(state):
+        return False, moved
     follow_scheduler(state)
     return True, moved
 
