@@ -23,7 +23,7 @@ from .._report import FixEvent, report
 from ..errors import ModelMismatchError
 from ..families import DENOISERS
 from ..guards import library_issues as li
-from ..runtime import finite
+from ..runtime import component, finite
 from .core import Patch
 from .instance import HookHandle, add_hook
 
@@ -102,6 +102,39 @@ def _rescue_decode(original: Any) -> Any:
         return out
 
     return decode
+
+
+def _in_pipeline_dtype(original: Any) -> Any:
+    """A side component's ``forward`` (a ControlNet), ``decode`` or ``encode`` (an autoencoder): a call that plain
+    torch rejects because the component was left in another dtype than its pipeline runs whole in the pipeline's dtype,
+    as the maintainers' fix runs it (:mod:`torchfix.runtime.component`); every other call, every call where torchfix
+    is off or its dtype guard is, and every call in ``strict`` mode (the guards raise at the first layer), exactly the
+    original."""
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = _context.current()
+        if not settings.active or not settings.dtype_on or settings.mode == "strict" or torch.compiler.is_compiling():
+            return original(self, *args, **kwargs)
+        p = component.plan(self, args, kwargs)
+        if p is None:
+            return original(self, *args, **kwargs)
+        return component.run(p, functools.partial(original, self), args, kwargs, settings.mode, "torchfix")
+
+    return call
+
+
+def _controlnet_class(cls: type) -> bool:
+    """A diffusers ControlNet model (not a Multi-ControlNet, whose nets are patched themselves; not a denoiser with a
+    ControlNet inside, such as ``UNetControlNetXSModel``; not one of its blocks)."""
+    name = cls.__name__
+    return "ControlNet" in name and name.endswith("Model") and not name.startswith(("Multi", "UNet")) and callable(vars(cls).get("forward"))
+
+
+def _decoding_in_pipeline_dtype_rescued(original: Any) -> Any:
+    """An autoencoder's ``decode`` in its pipeline's dtype where it was left in another (:func:`_in_pipeline_dtype`),
+    then re-run in float32 where that gave NaN/inf (:func:`_rescue_decode`)."""
+    return _rescue_decode(_in_pipeline_dtype(original))
 
 
 def _latents(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -357,6 +390,7 @@ def _restarting_on_new_shapes(original: Any) -> Any:
 # patch label -> Patch, for the rows in force
 _PATCHES: dict[str, Patch] = {}
 _AUTOENCODERS = "diffusers.models.autoencoders."
+_CONTROLNETS = "diffusers.models.controlnet"  # diffusers.models.controlnets.* (0.31+), controlnet*.py before
 _CACHES = "diffusers.models.cache_utils"
 _PIPELINES = "diffusers.pipelines.pipeline_utils"
 _PIPELINE_MODULES = "diffusers.pipelines."
@@ -413,14 +447,22 @@ def _patch_module(name: str) -> None:
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("encode_prompt")):
                 _patch(cls, "encode_prompt", f"diffusers {cls.__name__}.encode_prompt", _handing_over)
-    if name.startswith(_AUTOENCODERS) and _in_force(li.VAE_OVERFLOW):
+    if name.startswith(_AUTOENCODERS):  # a VAE left in another dtype runs in its pipeline's; a NaN decode re-runs in fp32
+        rescue = _in_force(li.VAE_OVERFLOW)
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
-                _patch(cls, "decode", f"diffusers {cls.__name__}.decode", _rescue_decode)
+                decode = _decoding_in_pipeline_dtype_rescued if rescue else _in_pipeline_dtype
+                _patch(cls, "decode", f"diffusers {cls.__name__}.decode", decode)
+            if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("encode")):
+                _patch(cls, "encode", f"diffusers {cls.__name__}.encode", _in_pipeline_dtype)
+    if name.startswith(_CONTROLNETS):  # a ControlNet left in another dtype runs in its pipeline's
+        for cls in list(vars(module).values()):
+            if isinstance(cls, type) and cls.__module__ == name and _controlnet_class(cls):
+                _patch(cls, "forward", f"diffusers {cls.__name__}.forward", _in_pipeline_dtype)
 
 
 def _watched(name: str) -> bool:
-    return name in (_MODULE, _CACHES, _PIPELINES, _TAYLORSEER) or name.startswith((_AUTOENCODERS, _PIPELINE_MODULES))
+    return name in (_MODULE, _CACHES, _PIPELINES, _TAYLORSEER) or name.startswith((_AUTOENCODERS, _CONTROLNETS, _PIPELINE_MODULES))
 
 
 # the watched modules seen loaded, and how many modules were loaded at the last look (a look is a scan of
@@ -492,8 +534,12 @@ def remove() -> None:
 def installed() -> list[str]:
     """Labels of the library patches in place (the autoencoders' ``decode`` patches as one)."""
     labels = [p.label for p in _PATCHES.values() if p.installed]
-    decodes = [label for label in labels if label.endswith(".decode")]
-    encodes = [label for label in labels if label.endswith(".encode_prompt")]
-    rest = [label for label in labels if label not in decodes and label not in encodes]
-    grouped = [f"diffusers <autoencoder>.decode ({len(decodes)} classes)"] if decodes else []
-    return rest + grouped + ([f"diffusers <pipeline>.encode_prompt ({len(encodes)} classes)"] if encodes else [])
+    groups = (
+        (".decode", "diffusers <autoencoder>.decode"),
+        (".encode", "diffusers <autoencoder>.encode"),
+        ("Model.forward", "diffusers <controlnet>.forward"),
+        (".encode_prompt", "diffusers <pipeline>.encode_prompt"),
+    )
+    grouped = {title: [label for label in labels if label.endswith(end)] for end, title in groups}
+    rest = [label for label in labels if not any(label in g for g in grouped.values())]
+    return rest + [f"{title} ({len(g)} classes)" for title, g in grouped.items() if g]
