@@ -153,6 +153,17 @@ def test_an_fp32_controlnet_in_an_fp16_pipeline_hands_fp16_residuals_as_the_fix_
     assert tensors(pipe.controlnet) == controlnet
 
 
+def test_the_whole_call_reaches_a_controlnet_hooked_by_cpu_offload_before_torchfix_was_on():
+    """accelerate's offload hook replaces the ControlNet's forward with one that calls the forward it saw then:
+    torchfix's whole call lives in module hooks, which run whatever the forward is."""
+    reference = run_controlnet(fp32_controlnet_in_fp16(fix=True))
+    pipe = fp32_controlnet_in_fp16()
+    pipe.enable_model_cpu_offload(device="cpu")
+    with torchfix.enabled():
+        assert torch.equal(run_controlnet(pipe), reference)
+    assert not pipe.controlnet._forward_pre_hooks and not pipe.controlnet._forward_hooks  # gone with torchfix
+
+
 def test_strict_mode_raises_where_the_whole_call_would_run_in_the_pipelines_dtype():
     pipe = fp32_controlnet_in_fp16()
     with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match="controlnet"):

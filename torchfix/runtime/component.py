@@ -37,7 +37,7 @@ from .._text import dtype_name
 from ..families import DENOISERS
 from ..guards import dtype as dtype_guard
 
-__all__ = ["Plan", "plan", "run", "weights_in"]
+__all__ = ["Plan", "plan", "run", "running", "weights_in"]
 
 log = logging.getLogger("torchfix")
 
@@ -122,17 +122,22 @@ def _learn(module: torch.nn.Module, names: list[str], dtype: torch.dtype) -> Non
         sink.append((module.get_submodule(owner_path) if owner_path else module, attr, dtype))
 
 
-def run(p: Plan, call: Any, args: tuple, kwargs: dict[str, Any], mode: str, op: str) -> Any:
-    """``call(*args, **kwargs)`` (a call of ``p.module``) with the module's weights and the floating arguments in
-    ``p.dtype``; recorded as one event (a warning in ``warn`` mode)."""
+@contextlib.contextmanager
+def running(p: Plan, args: tuple, kwargs: dict[str, Any], mode: str, op: str) -> Iterator[tuple[tuple, dict[str, Any]]]:
+    """Inside the block, ``p.module`` runs with its weights in ``p.dtype``; yields the call's arguments with the floating
+    ones in ``p.dtype``. Recorded as one event (a warning in ``warn`` mode) as the block starts."""
     seen: list[torch.Tensor] = []
     args = tuple(_cast(a, p.dtype, seen) for a in args)
     kwargs = {k: _cast(v, p.dtype, seen) for k, v in kwargs.items()}
     with weights_in(p.module, p.dtype) as cast:
-        result = call(*args, **kwargs)
-    _learn(p.module, list(cast), p.dtype)
+        _learn(p.module, list(cast), p.dtype)
+        _record(p, cast, seen, mode, op)
+        yield args, kwargs
+
+
+def _record(p: Plan, cast: dict[str, torch.Tensor], seen: list[torch.Tensor], mode: str, op: str) -> None:
     own, to, given = dtype_name(p.own), dtype_name(p.dtype), dtype_name(p.given)
-    site = _frames.call_site(3)
+    site = _frames.call_site(4)
     detail = (
         f"{p.name} is {own} in a {to} pipeline (not kept in {own} on purpose) and was handed {given} input, which its "
         f"first layer rejects → the call runs with its weights {own}→{to} and its floating inputs in {to}, as the "
@@ -145,4 +150,10 @@ def run(p: Plan, call: Any, args: tuple, kwargs: dict[str, Any], mode: str, op: 
     if mode == "warn":
         fix = f"load it with torch_dtype=torch.{to}, or pipe.{p.name.split('.')[0]}.to(torch.{to})"
         _warn.once(("whole-call", p.name, own, to), f"{op}: {detail}. To fix it for good: {fix}.", site=site)
-    return result
+
+
+def run(p: Plan, call: Any, args: tuple, kwargs: dict[str, Any], mode: str, op: str) -> Any:
+    """``call(*args, **kwargs)`` (a call of ``p.module``) with the module's weights and the floating arguments in
+    ``p.dtype`` (:func:`running`)."""
+    with running(p, args, kwargs, mode, op) as (args, kwargs):
+        return call(*args, **kwargs)
