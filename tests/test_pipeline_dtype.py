@@ -153,6 +153,33 @@ def test_an_fp32_controlnet_in_an_fp16_pipeline_hands_fp16_residuals_as_the_fix_
     assert tensors(pipe.controlnet) == controlnet
 
 
+def test_each_net_of_a_multi_controlnet_left_fp32_runs_in_the_pipelines_dtype_and_warns_once():
+    def build(fix=False):
+        one = fp32_controlnet_in_fp16()
+        torch.manual_seed(4)
+        other = live_controlnet(ControlNetModel.from_unet(one.unet, conditioning_embedding_out_channels=(4, 8, 8, 16)))
+        pipe = StableDiffusionControlNetPipeline(
+            **{**one.components, "controlnet": [one.controlnet, other.float()]}, requires_safety_checker=False
+        )
+        pipe.set_progress_bar_config(disable=True)
+        if fix:
+            pipe.controlnet.to(f16)
+        return pipe
+
+    def run(pipe):
+        image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+        return latents(pipe, steps=2, image=[image, image])
+
+    reference = run(build(fix=True))
+    pipe = build()
+    with torchfix.enabled(mode="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(run(pipe), reference)
+    texts = [str(c.message) for c in caught if issubclass(c.category, torchfix.TorchfixWarning)]
+    assert sorted(t.split(" is float32")[0] for t in texts) == ["torchfix: controlnet.nets.0", "torchfix: controlnet.nets.1"]
+    assert all("To fix it for good: load it with torch_dtype=torch.float16" in t for t in texts)
+
+
 def test_the_whole_call_reaches_a_controlnet_hooked_by_cpu_offload_before_torchfix_was_on():
     """accelerate's offload hook replaces the ControlNet's forward with one that calls the forward it saw then:
     torchfix's whole call lives in module hooks, which run whatever the forward is."""

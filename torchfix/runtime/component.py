@@ -72,15 +72,16 @@ def plan(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Plan |
     first = _first(args, kwargs)
     if first is None or not first.is_floating_point():
         return None
-    found = _frames.owner([module])
+    own = _model.model_dtype(module)
+    if own is None or own == first.dtype:
+        return None  # the fast path: nothing torch rejects at the first layer
+    # the modules running around this call too: a net of a Multi-ControlNet belongs to the pipeline through it
+    found = _frames.owner([module, *(m for m in _frames.module_chain(2) if m is not module)])
     if found is None:
         return None
     root, name, pipe = found
     if pipe is None or name in DENOISERS:
         return None
-    own = _model.model_dtype(module)
-    if own is None or own == first.dtype:
-        return None  # the fast path: nothing torch rejects at the first layer
     kept = _model.kept_high(module) or (root is not module and _model.kept_high(root))
     runs = dtype_guard.component_dtype(own, _model.pipeline_dtype(pipe), kept_high=kept)
     autocast = torch.is_autocast_enabled(first.device.type)
