@@ -191,6 +191,29 @@ def test_the_whole_call_reaches_a_controlnet_hooked_by_cpu_offload_before_torchf
     assert not pipe.controlnet._forward_pre_hooks and not pipe.controlnet._forward_hooks  # gone with torchfix
 
 
+def test_a_controlnet_call_interrupted_inside_gets_its_own_weights_back():
+    """torch runs an ``always_call`` forward hook after an Exception only: a KeyboardInterrupt inside the ControlNet
+    leaves its call to be ended at its next call, or when torchfix is removed."""
+    pipe = fp32_controlnet_in_fp16()
+    controlnet = tensors(pipe.controlnet)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    hook = pipe.controlnet.mid_block.register_forward_hook(interrupt)
+    with torchfix.enabled():
+        with pytest.raises(KeyboardInterrupt):
+            run_controlnet(pipe)
+        hook.remove()
+        assert torch.equal(run_controlnet(pipe), run_controlnet(fp32_controlnet_in_fp16(fix=True)))
+        assert tensors(pipe.controlnet) == controlnet  # ended at the next call
+        hook = pipe.controlnet.mid_block.register_forward_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run_controlnet(pipe)
+        hook.remove()
+    assert tensors(pipe.controlnet) == controlnet  # ended when torchfix went off
+
+
 def test_strict_mode_raises_where_the_whole_call_would_run_in_the_pipelines_dtype():
     pipe = fp32_controlnet_in_fp16()
     with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match="controlnet"):

@@ -137,6 +137,7 @@ def _side_call_starts(module: torch.nn.Module, args: tuple, kwargs: dict[str, An
     than its pipeline starts running whole in the pipeline's dtype (:mod:`torchfix.runtime.component`), its arguments
     cast; every other call as it is."""
     calls = _IN_CALL.setdefault(module, [])
+    _end_calls(calls)  # a ControlNet never calls itself: what is left is a call that a KeyboardInterrupt ended
     settings = _context.current()
     p = None
     if settings.active and settings.dtype_on and settings.mode != "strict" and not torch.compiler.is_compiling():
@@ -148,6 +149,16 @@ def _side_call_starts(module: torch.nn.Module, args: tuple, kwargs: dict[str, An
     args, kwargs = stack.enter_context(component.running(p, args, kwargs, settings.mode, "torchfix"))
     calls.append(stack)
     return args, kwargs
+
+
+def _end_calls(calls: list[contextlib.ExitStack | None]) -> None:
+    """End the calls in ``calls`` (each ControlNet's own weights back) and forget them. torch runs an ``always_call``
+    hook after an ``Exception`` only: a ``KeyboardInterrupt`` leaves its call to be ended here, at the next call or
+    when torchfix is removed."""
+    while calls:
+        stack = calls.pop()
+        if stack is not None:
+            stack.close()
 
 
 def _side_call_ends(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -685,6 +696,8 @@ def remove() -> None:
         for handle in pair:
             handle.restore()
     _SIDES.clear()
+    for calls in list(_IN_CALL.values()):
+        _end_calls(calls)
     _UNWATCHED.clear()
 
 
