@@ -214,6 +214,28 @@ def test_a_controlnet_call_interrupted_inside_gets_its_own_weights_back():
     assert tensors(pipe.controlnet) == controlnet  # ended when torchfix went off
 
 
+def test_a_vae_kept_fp32_as_documented_is_left_as_it_runs():
+    """diffusers' Wan docs load the VAE in fp32 beside a bf16 transformer, and the pipeline hands it latents in its
+    dtype: torch accepts every call, so the decode is the plain one, bit for bit (no whole call, no event)."""
+    from torchfix.testing import tiny_wan22_pipeline
+
+    def build():
+        pipe = tiny_wan22_pipeline().to(bf16)
+        pipe.vae.float()
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def run(pipe):
+        return pipe("a cat", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).frames
+
+    plain = run(build())
+    with torchfix.enabled():
+        out = run(build())
+    assert out.dtype == f32 and torch.equal(out, plain)
+    assert not [e for e in torchfix.report().events if e.action != "noted"]
+
+
 def test_strict_mode_raises_where_the_whole_call_would_run_in_the_pipelines_dtype():
     pipe = fp32_controlnet_in_fp16()
     with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match="controlnet"):
