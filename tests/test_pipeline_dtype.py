@@ -89,6 +89,195 @@ def test_an_fp16_controlnet_beside_an_fp32_unet_runs_in_fp32_without_a_lasting_u
     assert fixes and all(e.module.startswith("controlnet") and "float16→float32" in e.detail for e in fixes)
 
 
+def live_controlnet(controlnet):
+    """Seeded values in a ControlNet's zero-initialised convolutions (its conditioning output and the residual
+    projections), so that its residuals, and their dtype, reach the UNet as a trained ControlNet's do."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in controlnet.named_parameters():
+            if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding.conv_out")):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return controlnet
+
+
+def residuals_seen(pipe):
+    """The mid-block residual the pipeline's ControlNet hands the UNet at each step (a hook to remove)."""
+    seen = []
+
+    def grab(module, args, kwargs):
+        seen.append(kwargs["mid_block_additional_residual"].clone())
+
+    return seen, pipe.unet.register_forward_pre_hook(grab, with_kwargs=True)
+
+
+def fp32_controlnet_in_fp16(fix=False):
+    """huggingface/diffusers#4860: a ControlNet loaded without torch_dtype (fp32) in an fp16 pipeline; the maintainers'
+    fix (``fix``): the ControlNet in the pipeline's dtype."""
+    pipe = controlnet_pipeline(f32, dtype=f16)
+    live_controlnet(pipe.controlnet)
+    if fix:
+        pipe.controlnet.to(f16)
+    return pipe
+
+
+def test_an_fp32_controlnet_in_an_fp16_pipeline_hands_fp16_residuals_as_the_fix_does():
+    pipe = fp32_controlnet_in_fp16()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        run_controlnet(pipe)  # plain: "mat1 and mat2 must have the same dtype" at time_embedding.linear_1 (#4860)
+    fixed = fp32_controlnet_in_fp16(fix=True)
+    seen, hook = residuals_seen(fixed)
+    reference = run_controlnet(fixed)
+    hook.remove()
+    controlnet = tensors(pipe.controlnet)
+    with torchfix.enabled():  # import torchfix
+        got, hook = residuals_seen(pipe)
+        out = run_controlnet(pipe)
+        hook.remove()
+    # op by op, the fp32 control image would be added to the fp16 latents inside the ControlNet (torch promotes,
+    # silently) and fp32 residuals handed on; run whole in the pipeline's dtype, the call is the fix's, bit for bit
+    assert [r.dtype for r in got] == [f16] * 3 and all(torch.equal(a, b) for a, b in zip(got, seen))
+    assert torch.equal(out, reference)
+    assert tensors(pipe.controlnet) == controlnet  # the component itself is never changed
+    events = [e for e in torchfix.report().events if e.action != "noted"]
+    assert len(events) == 3 and all(e.module == "controlnet" and e.change == "float32→float16" for e in events)
+    assert "controlnet (pipeline dtype)" in events[0].detail and "torch_dtype=torch.float16" in events[0].detail
+    torchfix.report().clear()
+    w = torchfix.wrap(pipe)
+    got, hook = residuals_seen(pipe)
+    first, again = run_controlnet(w), run_controlnet(w)
+    hook.remove()
+    assert torch.equal(first, reference) and torch.equal(again, reference)
+    assert [r.dtype for r in got] == [f16] * 6 and all(torch.equal(a, b) for a, b in zip(got, seen + seen))
+    assert {t.dtype for t in pipe.controlnet.parameters()} == {f16}  # cast once after the first call (a cast down)
+    w.unwrap()
+    assert tensors(pipe.controlnet) == controlnet
+
+
+def test_each_net_of_a_multi_controlnet_left_fp32_runs_in_the_pipelines_dtype_and_warns_once():
+    def build(fix=False):
+        one = fp32_controlnet_in_fp16()
+        torch.manual_seed(4)
+        other = live_controlnet(ControlNetModel.from_unet(one.unet, conditioning_embedding_out_channels=(4, 8, 8, 16)))
+        pipe = StableDiffusionControlNetPipeline(
+            **{**one.components, "controlnet": [one.controlnet, other.float()]}, requires_safety_checker=False
+        )
+        pipe.set_progress_bar_config(disable=True)
+        if fix:
+            pipe.controlnet.to(f16)
+        return pipe
+
+    def run(pipe):
+        image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+        return latents(pipe, steps=2, image=[image, image])
+
+    reference = run(build(fix=True))
+    pipe = build()
+    with torchfix.enabled(mode="warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(run(pipe), reference)
+    texts = [str(c.message) for c in caught if issubclass(c.category, torchfix.TorchfixWarning)]
+    assert sorted(t.split(" is float32")[0] for t in texts) == ["torchfix: controlnet.nets.0", "torchfix: controlnet.nets.1"]
+    assert all("To fix it for good: load it with torch_dtype=torch.float16" in t for t in texts)
+
+
+def test_the_whole_call_reaches_a_controlnet_hooked_by_cpu_offload_before_torchfix_was_on():
+    """accelerate's offload hook replaces the ControlNet's forward with one that calls the forward it saw then:
+    torchfix's whole call lives in module hooks, which run whatever the forward is."""
+    reference = run_controlnet(fp32_controlnet_in_fp16(fix=True))
+    pipe = fp32_controlnet_in_fp16()
+    pipe.enable_model_cpu_offload(device="cpu")
+    with torchfix.enabled():
+        assert torch.equal(run_controlnet(pipe), reference)
+    assert not pipe.controlnet._forward_pre_hooks and not pipe.controlnet._forward_hooks  # gone with torchfix
+
+
+def test_a_controlnet_call_interrupted_inside_gets_its_own_weights_back():
+    """torch runs an ``always_call`` forward hook after an Exception only: a KeyboardInterrupt inside the ControlNet
+    leaves its call to be ended at its next call, or when torchfix is removed."""
+    pipe = fp32_controlnet_in_fp16()
+    controlnet = tensors(pipe.controlnet)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    hook = pipe.controlnet.mid_block.register_forward_hook(interrupt)
+    with torchfix.enabled():
+        with pytest.raises(KeyboardInterrupt):
+            run_controlnet(pipe)
+        hook.remove()
+        assert torch.equal(run_controlnet(pipe), run_controlnet(fp32_controlnet_in_fp16(fix=True)))
+        assert tensors(pipe.controlnet) == controlnet  # ended at the next call
+        hook = pipe.controlnet.mid_block.register_forward_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run_controlnet(pipe)
+        hook.remove()
+    assert tensors(pipe.controlnet) == controlnet  # ended when torchfix went off
+
+
+def test_a_vae_kept_fp32_as_documented_is_left_as_it_runs():
+    """diffusers' Wan docs load the VAE in fp32 beside a bf16 transformer, and the pipeline hands it latents in its
+    dtype: torch accepts every call, so the decode is the plain one, bit for bit (no whole call, no event)."""
+    from torchfix.testing import tiny_wan22_pipeline
+
+    def build():
+        pipe = tiny_wan22_pipeline().to(bf16)
+        pipe.vae.float()
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def run(pipe):
+        return pipe("a cat", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).frames
+
+    plain = run(build())
+    with torchfix.enabled():
+        out = run(build())
+    assert out.dtype == f32 and torch.equal(out, plain)
+    assert not [e for e in torchfix.report().events if e.action != "noted"]
+
+
+def test_strict_mode_raises_where_the_whole_call_would_run_in_the_pipelines_dtype():
+    pipe = fp32_controlnet_in_fp16()
+    with torchfix.enabled(mode="strict"), pytest.raises(torchfix.DtypeMismatchError, match="controlnet"):
+        run_controlnet(pipe)  # strict raises where fix would change something: at the ControlNet's first layer
+
+
+def test_an_asymmetric_vae_left_fp32_in_an_fp16_controlnet_pipeline_decodes_in_fp16():
+    """huggingface/diffusers#7572: ``AsymmetricAutoencoderKL.from_pretrained(...)`` without torch_dtype in an fp16
+    ControlNet pipeline ("Input type (c10::Half) and bias type (float)"); its config says ``force_upcast=False``: it is
+    not kept in fp32 on purpose. The fix: the VAE loaded in fp16."""
+    from diffusers import AsymmetricAutoencoderKL
+
+    def build(fix=False):
+        pipe = controlnet_pipeline(f16, dtype=f16)
+        torch.manual_seed(2)
+        blocks = {"down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4}
+        vae = AsymmetricAutoencoderKL(**blocks, down_block_out_channels=(8,) * 4, up_block_out_channels=(8,) * 4, norm_num_groups=4)
+        pipe.vae = vae.eval().to(f16 if fix else f32)
+        return pipe
+
+    def image(pipe):
+        control = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+        return pipe("a cat", image=control, num_inference_steps=2, height=64, width=64, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    pipe = build()
+    assert pipe.vae.config.force_upcast is False
+    with pytest.raises(RuntimeError, match="should be the same"):
+        image(pipe)
+    reference = image(build(fix=True))
+    vae = tensors(pipe.vae)
+    with torchfix.enabled():
+        out = image(pipe)
+    # op by op, MaskConditionDecoder casts its mid-block output to its up blocks' fp32 and decodes in fp32
+    assert reference.dtype == out.dtype == f16 and torch.equal(out, reference)
+    assert tensors(pipe.vae) == vae
+    w = torchfix.wrap(pipe)
+    assert torch.equal(image(w), reference) and torch.equal(image(w), reference)
+    w.unwrap()
+    assert tensors(pipe.vae) == vae
+
+
 def first_noise(pipe, run):
     """What ``run()`` returns, and the latents the pipeline's transformer was handed at its first call: the initial
     noise as the pipeline drew it (its dtype decides the draw on torch 2.11's CPU, whose bf16 ``randn`` is not its
@@ -313,15 +502,9 @@ def test_an_fp32_vae_without_force_upcast_runs_in_the_pipelines_dtype():
     fixed.vae.half()  # the maintainers' fix: the VAE in the pipeline's dtype
     with torchfix.enabled():
         image = run_image(pipe)
-    # fp16 like the maintainers' (the group norms, whose fp32 parameters torch accepts with fp16 input, run as torch runs them).
-    # diffusers < 0.36's Decoder casts the mid-block's output to its up-blocks' parameter dtype itself (upscale_dtype), and
-    # those stay fp32 under per-call casts: the image comes back fp32 there (under wrap() too), with the same values: a
-    # known divergence in dtype from the maintainers' fix on those releases.
-    import diffusers
-    from packaging.version import Version
-
-    expected = f32 if Version(diffusers.__version__) < Version("0.36") else f16
-    assert image.dtype == expected and (image - run_image(fixed)).abs().max() <= 2e-3
+    # the whole decode runs in the pipeline's fp16, as the maintainers' fix runs it (its group norms, and on diffusers
+    # < 0.36 its up blocks, which the Decoder casts to, included): the fix's image, bit for bit
+    assert image.dtype == f16 and torch.equal(image, run_image(fixed))
     assert {e.module.split(".")[0] for e in torchfix.report().events if e.action != "noted"} == {"vae"}
     assert all("vae (pipeline dtype)" in e.detail for e in torchfix.report().events if e.action != "noted")
 

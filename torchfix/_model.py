@@ -33,7 +33,7 @@ from . import _frames, _kept
 from .families import DENOISERS, config_value, main_denoiser
 from .guards import dtype as dtype_guard
 
-__all__ = ["PROBES", "forget", "kept_high", "layer_dtype", "model_dtype", "owner_dtype", "pipeline_dtype"]
+__all__ = ["PROBES", "follows_input", "forget", "kept_high", "layer_dtype", "model_dtype", "owner_dtype", "pipeline_dtype"]
 
 PROBES = 64
 
@@ -124,6 +124,25 @@ def kept_high(model: torch.nn.Module) -> bool:
     return any(config_value(model, f) is True for f in dtype_guard.UPCAST_FLAGS) or _kept.is_kept_module(model)
 
 
+# model -> whether its layers compute in their input's dtype (read once per model: ComfyUI sets the flag when it builds
+# the model's layers)
+_FOLLOWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def follows_input(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s layers compute in their input's dtype, casting their weights to it on every call (a flag of
+    :data:`torchfix.guards.dtype.FOLLOWS_INPUT_FLAGS` on one of its modules: ComfyUI's cast ops).
+
+    >>> follows_input(torch.nn.Linear(2, 2))
+    False
+    """
+    found = _FOLLOWS.get(model)
+    if found is None:
+        found = any(getattr(m, f, False) is True for m in model.modules() for f in dtype_guard.FOLLOWS_INPUT_FLAGS)
+        _FOLLOWS[model] = found
+    return found
+
+
 def pipeline_dtype(pipe: object) -> torch.dtype | None:
     """A pipeline's dtype: its (first) denoiser's own dtype; ``None`` without one."""
     found = main_denoiser(pipe)
@@ -134,12 +153,17 @@ def owner_dtype(chain: Sequence[torch.nn.Module]) -> tuple[torch.dtype | None, s
     """The dtype and name of the model that the running modules ``chain`` (innermost first) belong to;
     ``(None, "")`` when no module is running (a bare call). A component of a pipeline answers with the dtype it
     runs in there (:func:`torchfix.guards.dtype.component_dtype`: the pipeline's, unless kept higher on purpose),
-    and a name that says so."""
+    and a name that says so. A model whose layers compute in their input's dtype (:func:`follows_input`) answers
+    ``None`` with its name: the input's dtype wins in it."""
     found = _frames.owner(list(chain))
     if found is None:
         return None, ""
     model, name, pipe = found
+    if follows_input(model):  # no dtype of its own: the input's wins (the name says why)
+        return None, f"{name} (its layers compute in their input's dtype)"
     own = model_dtype(model)
+    if own is None:
+        return None, ""  # no floating parameters: a bare call
     if pipe is None or name in DENOISERS:
         return own, name
     main = pipeline_dtype(pipe)

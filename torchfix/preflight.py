@@ -45,6 +45,7 @@ __all__ = [
     "expected_widths",
     "finding",
     "refusal",
+    "side_models",
     "text_reader",
 ]
 
@@ -220,7 +221,7 @@ def _reads(model: torch.nn.Module, entry: str, *, weights_only: bool = False) ->
     return None if value is None else (value, f"config.{entry}")
 
 
-def _consumers(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
+def side_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
     """Side models that read the same prompt conditioning as the denoiser: a ControlNet, each net of a
     Multi-ControlNet."""
     model = getattr(pipe, "controlnet", None)
@@ -240,7 +241,7 @@ def _consumer_findings(pipe: Any, *, weights_only: bool = False) -> list[Finding
         return []
     dname, dmodel = denoiser
     findings = []
-    for cname, net in _consumers(pipe):
+    for cname, net in side_models(pipe):
         for entry, what in SHARED_CONDITIONING:
             theirs, ours = _reads(net, entry, weights_only=weights_only), _reads(dmodel, entry, weights_only=weights_only)
             if theirs is None or ours is None or theirs[0] == ours[0]:

@@ -148,3 +148,87 @@ def test_strict_refuses_naming_the_change_and_disable_takes_the_watch_away():
         pipe.transformer.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.2))
         assert pipe.transformer._forward_pre_hooks
     assert not pipe.transformer._forward_pre_hooks  # torchfix off: its watch is gone
+
+
+# --- a cache torchfix does not watch (the STALE_UNWATCHED row) ---------------------------------------------------
+
+
+def generation(model, size, steps=3):
+    """A generation of one's own: ``steps`` calls of the transformer, each in its ``cache_context``, no pipeline."""
+    tokens = (size // 16) ** 2
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(0))
+    for i in range(steps):
+        with model.cache_context("cond"):
+            out = model(
+                hidden_states=x,
+                encoder_hidden_states=torch.zeros(1, 8, 64),
+                pooled_projections=torch.zeros(1, 32),
+                timestep=torch.tensor([1.0 - i / steps]),
+                img_ids=torch.zeros(tokens, 3),
+                txt_ids=torch.zeros(8, 3),
+                return_dict=False,
+            )[0]
+        x = x - out / steps
+    return x
+
+
+def unwatched(name, apply=False):
+    """A tiny Flux transformer with cache ``name`` put on while torchfix is off (``enable_cache``, or diffusers'
+    ``apply_*`` helper, which never passes through ``enable_cache``)."""
+    pipe = tiny_flux_pipeline()
+    config = CONFIGS[name](pipe)
+    if apply:
+        from diffusers.hooks import apply_first_block_cache
+
+        apply_first_block_cache(pipe.transformer, config)
+    else:
+        pipe.transformer.enable_cache(config)
+    return pipe.transformer
+
+
+@pytest.mark.parametrize(
+    "name, apply, held",
+    [
+        ("FirstBlockCache", False, "FBCSharedBlockState.head_block_residual (1, 16, 32)"),
+        ("FirstBlockCache", True, "FBCSharedBlockState.head_block_residual (1, 16, 32)"),
+        ("TaylorSeer", False, "TaylorSeerState.taylor_factors[0][0] (1, 16, 32)"),
+    ],
+    ids=["FirstBlockCache-enable_cache", "FirstBlockCache-apply_first_block_cache", "TaylorSeer-enable_cache"],
+)
+def test_an_unwatched_cache_met_by_other_latents_is_named_with_its_fix(name, apply, held):
+    _skip_if_newer(name)
+    model = unwatched(name, apply)
+    generation(model, 64)
+    with pytest.raises(RuntimeError, match="must match the size") as plain:
+        generation(model, 96)  # plain diffusers: the 64² state meets the 96² call (TaylorSeer: a predicted step's shape)
+    model = unwatched(name, apply)
+    with torchfix.enabled():
+        generation(model, 64)
+        with pytest.raises(torchfix.ModelMismatchError) as info:
+            generation(model, 96)
+    text = str(info.value)
+    assert "latents (1, 16, 64) → (1, 36, 64)" in text and held in text and "model._reset_stateful_cache()" in text
+    assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == str(plain.value)
+    assert not model._forward_pre_hooks  # its look at the latents lived while torchfix was on
+    with torchfix.enabled():
+        model._reset_stateful_cache()  # the fix the error names
+        assert torch.equal(generation(model, 96), generation(unwatched(name, apply), 96))
+
+
+@pytest.mark.parametrize("name", ["FirstBlockCache", "TaylorSeer"])
+def test_what_runs_with_an_unwatched_cache_is_left_as_diffusers_runs_it(name):
+    """The same size twice (the state of the first generation carried into the second, as diffusers does), and
+    TaylorSeer at a new size on a step it computes (diffusers 0.41+ restarts its expansion there by design,
+    huggingface/diffusers#14831): bit-identical to plain diffusers, and no event."""
+    _skip_if_newer(name)
+
+    def both(model):
+        if name == "TaylorSeer":  # its fifth call computes: the new size meets a restart, not a predicted shape
+            return [generation(model, 64, steps=4), generation(model, 96, steps=4)]
+        return [generation(model, 64), generation(model, 64)]
+
+    plain, model = both(unwatched(name)), unwatched(name)  # put on while torchfix is off: not watched
+    with torchfix.enabled():
+        guarded = both(model)
+    assert len(guarded) == len(plain) and all(torch.equal(a, b) for a, b in zip(guarded, plain))
+    assert not [e for e in torchfix.report().events if e.guard == "cache"]

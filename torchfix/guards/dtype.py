@@ -50,7 +50,17 @@ import torch
 from .._text import dtype_name as _name
 from .plan import Action, Finding, Operand
 
-__all__ = ["UPCAST_FLAGS", "cast_once", "component_dtype", "decide", "dominant", "handover", "kept_in_fp32"]
+__all__ = [
+    "FOLLOWS_INPUT_FLAGS",
+    "UPCAST_FLAGS",
+    "cast_once",
+    "component_dtype",
+    "decide",
+    "dominant",
+    "handover",
+    "kept_in_fp32",
+    "whole_call",
+]
 
 
 def kept_in_fp32(model: object, path: str) -> bool:
@@ -70,6 +80,13 @@ def kept_in_fp32(model: object, path: str) -> bool:
 # Config flags with which a component's maintainers say it runs in a higher precision than the pipeline on purpose
 # (diffusers' VAEs: ``force_upcast``, which the SDXL pipelines honour by decoding in fp32).
 UPCAST_FLAGS = ("force_upcast",)
+
+# Module attributes with which a library says a layer computes in its *input's* dtype, casting its stored weights to it
+# on every call (ComfyUI's cast ops: ``comfy.ops.manual_cast``, and layers its model patcher loads partially). A model
+# built of such layers has no dtype of its own to win: where torch rejects a mix inside it (a plain torch layer among
+# them, such as wav2vec2's weight-normed positional conv, Comfy-Org/ComfyUI#12808), the input's dtype wins, as those
+# layers and the maintainers' fix (ComfyUI 0.16.4, #12811: the layer keeps its model-defined dtype) have it.
+FOLLOWS_INPUT_FLAGS = ("comfy_cast_weights",)
 
 
 def component_dtype(
@@ -96,6 +113,35 @@ def component_dtype(
     if kept_high and own.itemsize > pipeline.itemsize:
         return own
     return pipeline
+
+
+def whole_call(
+    own: torch.dtype | None, runs: torch.dtype | None, given: torch.dtype | None, *, autocast: bool = False
+) -> torch.dtype | None:
+    """The dtype a side component's whole call runs in, weights and floating inputs alike, or ``None`` to leave the
+    call to the guards op by op (and whatever torch accepts in it as torch computes it).
+
+    ``own`` is the component's dtype, ``runs`` the dtype it runs in inside its pipeline (:func:`component_dtype`) and
+    ``given`` the dtype of the tensor its first layer reads (a ControlNet's latents, a VAE's latents or image). Where
+    the component runs in another dtype than its own and is handed that tensor in another dtype than its weights,
+    plain torch rejects the call at that first layer, so the call is torchfix's to fix, and it runs as the maintainers'
+    fix runs it: the component in the pipeline's dtype (``ControlNetModel.from_pretrained(..., torch_dtype=pipe.dtype)``,
+    huggingface/diffusers#4860; a VAE without ``force_upcast`` loaded in the pipeline's dtype, #7572). Op by op, a
+    ControlNet would add its fp32 control image to its fp16 latents (torch promotes, silently) and hand fp32
+    residuals on; a VAE decoder would run its up blocks in their own fp32 (diffusers casts to them). A component kept
+    higher on purpose has ``runs == own`` and is left alone; so is a call under autocast (torch accepts it).
+
+    >>> f16, f32 = torch.float16, torch.float32
+    >>> whole_call(f32, f16, f16), whole_call(f16, f32, f32)    # an fp32 ControlNet in fp16; an fp16 one beside fp32
+    (torch.float16, torch.float32)
+    >>> whole_call(f32, f32, f16) is None, whole_call(f32, f16, f32) is None, whole_call(f32, f16, f16, autocast=True) is None
+    (True, True, True)
+    """
+    if own is None or runs is None or given is None or autocast:
+        return None
+    if runs == own or given == own or not given.is_floating_point:
+        return None
+    return runs
 
 
 def dominant(sizes: Mapping[torch.dtype, int]) -> torch.dtype | None:
@@ -241,6 +287,9 @@ def decide(
     params = ", ".join(a.operand for a in actions)
     fix = f"cast the module once with module.to(torch.{_name(target)}) (or use torchfix.wrap(pipe), which does it after the first call)"
     note = f"rule: no model running, the input's dtype wins; per-call cast of {params}: a copy every call until the module is cast once"
+    if model:  # a model whose layers compute in their input's dtype (FOLLOWS_INPUT_FLAGS)
+        fix = f"give this layer the dtype {model} computes in, torch.{_name(target)} (its other layers cast their weights to their input)"
+        note = f"rule: {model}: the input's dtype wins, as in its other layers; per-call cast of {params}"
     return Finding("dtype", mix, fix, actions, True, note)
 
 

@@ -3,8 +3,8 @@ data, like :mod:`torchfix.guards.known_issues`. Each row says where the bug is, 
 force here, where the range comes from, and what torchfix does about it (the patch lives in
 :mod:`torchfix.patches.libraries`). Pure: nothing here imports the library or patches it.
 
->>> [row.issue for row in ROWS][1:]
-['vladmandic/sdnext#2193', 'torchfix: diffusers cache state after an interrupted call', 'huggingface/diffusers#14829']
+>>> [row.issue for row in ROWS][1:3]
+['vladmandic/sdnext#2193', 'torchfix: diffusers cache state after an interrupted call']
 """
 
 from __future__ import annotations
@@ -16,7 +16,18 @@ import torch
 
 from .known_issues import _in_range, _span, parse_version
 
-__all__ = ["CACHE_STATE", "CP_ON_CPU", "ROWS", "TAYLORSEER_SHAPES", "VAE_OVERFLOW", "LibraryIssue", "cpu_build", "explain", "stale"]
+__all__ = [
+    "CACHE_STATE",
+    "CP_ON_CPU",
+    "ROWS",
+    "STALE_UNWATCHED",
+    "TAYLORSEER_SHAPES",
+    "VAE_OVERFLOW",
+    "LibraryIssue",
+    "cpu_build",
+    "explain",
+    "stale",
+]
 
 
 def cpu_build() -> bool:
@@ -189,7 +200,32 @@ ROWS: tuple[LibraryIssue, ...] = (
         version_min="0.36.0",
         version_max="0.41.0",
     ),
+    LibraryIssue(
+        library="diffusers",
+        where="diffusers.models.cache_utils:CacheMixin.cache_context",
+        issue="torchfix: diffusers cache state torchfix does not watch, met by other latents",
+        description=(
+            "a cache torchfix does not watch (enabled before torchfix was on, or put on with diffusers.hooks.apply_* "
+            "directly) keeps its state between two generations of a loop of one's own; met by latents of another "
+            "shape, FirstBlockCache crashes on its stale residual ('The size of tensor a (36) must match the size of "
+            "tensor b (16)'), with no word of the cache or of the reset that fixes it"
+        ),
+        fix=(
+            "that crash, and only it, is raised again as a ModelMismatchError naming the cache's hooks, the state they "
+            "hold (its tensors' shapes), the change of latents and the fix (the model's _reset_stateful_cache() between "
+            "generations, or the cache enabled after torchfix is on, which then resets it); a call that runs is left as "
+            "diffusers runs it (TaylorSeer restarts its expansion at a new shape by design, huggingface/diffusers#14831)"
+        ),
+        basis=(
+            "reproduced here with diffusers 0.42.1 and 0.35.2 (a tiny Flux transformer, a loop of one's own at 64² then "
+            "96², each cache enabled while torchfix was off, or applied with diffusers.hooks.apply_*): FirstBlockCache "
+            "crashes on both; TaylorSeer (0.42.1) runs and differs from a fresh cache; MagCache, FasterCache and "
+            "PyramidAttentionBroadcast equal a fresh cache. CacheMixin.cache_context came with the caches (0.33.0); "
+            "not fixed in 0.42.1"
+        ),
+        version_min="0.33.0",
+    ),
 )
 
 # The rows by what they are about (the patches name them so, never by position).
-CP_ON_CPU, VAE_OVERFLOW, CACHE_STATE, TAYLORSEER_SHAPES = ROWS
+CP_ON_CPU, VAE_OVERFLOW, CACHE_STATE, TAYLORSEER_SHAPES, STALE_UNWATCHED = ROWS

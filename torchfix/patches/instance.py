@@ -82,11 +82,14 @@ class HookHandle:
         self.handle.remove()
 
 
-def add_hook(module: torch.nn.Module, fn: Callable[..., Any], *, pre: bool = False, with_kwargs: bool = False) -> HookHandle:
-    """Register a forward hook (or pre-hook) on one module; remove it with ``restore()``."""
+def add_hook(
+    module: torch.nn.Module, fn: Callable[..., Any], *, pre: bool = False, with_kwargs: bool = False, always_call: bool = False
+) -> HookHandle:
+    """Register a forward hook (or pre-hook) on one module; remove it with ``restore()``. ``always_call``: a forward
+    hook that runs even where the call raised (to end what its pre-hook began)."""
     if pre:
         return HookHandle(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
-    return HookHandle(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+    return HookHandle(module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call))
 
 
 Forward = Callable[..., Any]

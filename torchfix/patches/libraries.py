@@ -8,6 +8,7 @@ Beside the rows, ``DiffusionPipeline.progress_bar`` (every pipeline opens it bef
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
@@ -23,7 +24,7 @@ from .._report import FixEvent, report
 from ..errors import ModelMismatchError
 from ..families import DENOISERS
 from ..guards import library_issues as li
-from ..runtime import finite
+from ..runtime import component, finite
 from .core import Patch
 from .instance import HookHandle, add_hook
 
@@ -35,6 +36,8 @@ __all__ = [
     "remove",
     "reset_cache_state",
     "reset_unfinished",
+    "side_components",
+    "stale_refusal",
     "watch_cache",
 ]
 
@@ -102,6 +105,87 @@ def _rescue_decode(original: Any) -> Any:
         return out
 
     return decode
+
+
+def _in_pipeline_dtype(original: Any) -> Any:
+    """An autoencoder's ``decode`` or ``encode``: a call that plain torch rejects because the VAE was left in another
+    dtype than its pipeline runs whole in the pipeline's dtype, as the maintainers' fix runs it
+    (:mod:`torchfix.runtime.component`; a ControlNet's calls get the same through :func:`side_components`); every other
+    call, every call where torchfix is off or its dtype guard is, and every call in ``strict`` mode (the guards raise
+    at the first layer), exactly the original."""
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        settings = _context.current()
+        if not settings.active or not settings.dtype_on or settings.mode == "strict" or torch.compiler.is_compiling():
+            return original(self, *args, **kwargs)
+        p = component.plan(self, args, kwargs)
+        if p is None:
+            return original(self, *args, **kwargs)
+        return component.run(p, functools.partial(original, self), args, kwargs, settings.mode, "torchfix")
+
+    return call
+
+
+# side component -> (its pre-hook, its forward hook); side component -> the calls in progress (an ExitStack each, or None)
+_SIDES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[HookHandle, HookHandle]] = weakref.WeakKeyDictionary()
+_IN_CALL: weakref.WeakKeyDictionary[torch.nn.Module, list[contextlib.ExitStack | None]] = weakref.WeakKeyDictionary()
+
+
+def _side_call_starts(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A ControlNet's forward pre-hook: a call plain torch rejects because the ControlNet was left in another dtype
+    than its pipeline starts running whole in the pipeline's dtype (:mod:`torchfix.runtime.component`), its arguments
+    cast; every other call as it is."""
+    calls = _IN_CALL.setdefault(module, [])
+    _end_calls(calls)  # a ControlNet never calls itself: what is left is a call that a KeyboardInterrupt ended
+    settings = _context.current()
+    p = None
+    if settings.active and settings.dtype_on and settings.mode != "strict" and not torch.compiler.is_compiling():
+        p = component.plan(module, args, kwargs)
+    if p is None:
+        calls.append(None)
+        return None
+    stack = contextlib.ExitStack()
+    args, kwargs = stack.enter_context(component.running(p, args, kwargs, settings.mode, "torchfix"))
+    calls.append(stack)
+    return args, kwargs
+
+
+def _end_calls(calls: list[contextlib.ExitStack | None]) -> None:
+    """End the calls in ``calls`` (each ControlNet's own weights back) and forget them. torch runs an ``always_call``
+    hook after an ``Exception`` only: a ``KeyboardInterrupt`` leaves its call to be ended here, at the next call or
+    when torchfix is removed."""
+    while calls:
+        stack = calls.pop()
+        if stack is not None:
+            stack.close()
+
+
+def _side_call_ends(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    """The matching forward hook (run however the call ends): the ControlNet's own weights back."""
+    calls = _IN_CALL.get(module)
+    stack = calls.pop() if calls else None
+    if stack is not None:
+        stack.close()
+    return None
+
+
+def side_components(pipe: Any) -> None:
+    """Put the whole-call hooks on ``pipe``'s ControlNets (each net of a Multi-ControlNet), once per ControlNet while
+    torchfix is installed. Hooks, not a patched ``forward``: they run whatever ``forward`` accelerate's or diffusers'
+    hooks put on the ControlNet before torchfix was on."""
+    for _, net in preflight.side_models(pipe):
+        if net not in _SIDES:
+            _SIDES[net] = (
+                add_hook(net, _side_call_starts, pre=True, with_kwargs=True),
+                add_hook(net, _side_call_ends, with_kwargs=True, always_call=True),
+            )
+
+
+def _decoding_in_pipeline_dtype_rescued(original: Any) -> Any:
+    """An autoencoder's ``decode`` in its pipeline's dtype where it was left in another (:func:`_in_pipeline_dtype`),
+    then re-run in float32 where that gave NaN/inf (:func:`_rescue_decode`)."""
+    return _rescue_decode(_in_pipeline_dtype(original))
 
 
 def _latents(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -203,11 +287,124 @@ def watch_cache(model: torch.nn.Module) -> HookHandle | None:
     return add_hook(model, _reset_if_stale, pre=True, with_kwargs=True)
 
 
+# denoiser -> the latent signatures of its last two calls inside a cache_context, for a cache torchfix does not watch
+_UNWATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+# denoiser -> the pre-hook that notes its latents (put on at its first cache_context while torchfix is on; one per
+# model for as long as torchfix is installed, so that a compiled model sees one hook, not one per step)
+_NOTES: weakref.WeakKeyDictionary[torch.nn.Module, HookHandle] = weakref.WeakKeyDictionary()
+
+
+def _note_latents(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """A forward pre-hook: the latent signature of this call, beside the previous one's."""
+    latents = _latents(args, kwargs)
+    if latents is not None and _context.current().active and not torch.compiler.is_compiling():
+        before = _UNWATCHED.get(module)
+        _UNWATCHED[module] = (None if before is None else before[1], (tuple(latents.shape), str(latents.dtype), str(latents.device)))
+    return None
+
+
+def _shapes(label: str, value: Any, depth: int = 0) -> list[str]:
+    """``label (shape)`` for each tensor (or recorded shape) in ``value``, looking into tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [f"{label} {tuple(value.shape)}"]
+    if isinstance(value, torch.Size):
+        return [f"{label} {tuple(value)}"]
+    if depth >= 3:
+        return []
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _shapes(f"{label}[{k!r}]", v, depth + 1)]
+    if isinstance(value, (tuple, list)):
+        return [s for i, v in enumerate(value) for s in _shapes(f"{label}[{i}]", v, depth + 1)]
+    return []
+
+
+def _held(hooks: list[tuple[torch.nn.Module, Any]]) -> list[str]:
+    """What the state of ``hooks`` holds in the current ``cache_context``: its tensors and recorded shapes, as
+    ``State.field (shape)``."""
+    held: list[str] = []
+    managers: dict[int, Any] = {}
+    for _, hook in hooks:
+        managers.update((id(v), v) for v in vars(hook).values() if _context_attr(v) is not None and hasattr(v, "get_state"))
+    for manager in managers.values():
+        try:
+            state = manager.get_state()
+        except Exception:  # no context set, or another diffusers' bookkeeping: nothing to name
+            continue
+        for field, value in vars(state).items():
+            held.extend(_shapes(f"{type(state).__name__}.{field}", value))
+    return list(dict.fromkeys(held))  # one hook per block holds alike: each entry once
+
+
+_NAMED = 6  # the held tensors an error names; the rest are counted
+
+
+def stale_refusal(model: torch.nn.Module, error: BaseException) -> str | None:
+    """The error text for ``error``, raised inside a call of ``model`` whose latents differ from its previous call's
+    while a diffusers cache torchfix does not watch holds the previous call's state (the
+    :data:`torchfix.guards.library_issues.STALE_UNWATCHED` row); ``None`` where that is not what happened."""
+    if not isinstance(error, RuntimeError):
+        return None
+    before, now = _UNWATCHED.get(model, (None, None))
+    change = None if now is None else li.stale(before, now)
+    hooks = foreign_cache_hooks(model) if change is not None else []
+    held = _held(hooks)
+    if not held:
+        return None
+    _, name, pipe = _frames.owner([model]) or (None, type(model).__name__, None)
+    who = f"pipe.{name}" if pipe is not None else "model"
+    kinds = ", ".join(sorted({type(h).__name__ for _, h in hooks}))
+    reset = (
+        f"{who}._reset_stateful_cache()"
+        if callable(getattr(model, "_reset_stateful_cache", None))
+        else f"diffusers.hooks.HookRegistry.check_if_exists_or_initialize({who}).reset_stateful_hooks()"
+    )
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (
+        f"torchfix: {name}'s diffusers cache ({kinds}) still holds the state of a call with other latents ({change}): "
+        f"{', '.join(held[:_NAMED])}{f' and {len(held) - _NAMED} more' if len(held) > _NAMED else ''}; it failed on that "
+        f"state ({first}). diffusers resets a cache's state only at the end of a "
+        "pipeline call (maybe_free_model_hooks), never between generations of a loop of your own, and torchfix resets it "
+        "only for a cache enabled while torchfix is on. To fix: call "
+        f"{reset} before each new generation, or enable the cache after torchfix is on (it then resets the state when "
+        "the latents change)."
+    )
+
+
+def _refusing_stale(original: Any) -> Any:
+    """``CacheMixin.cache_context`` (every step of a pipeline, and of a loop of one's own, runs the model inside one):
+    for a model whose cache torchfix does not watch, a call that fails on the state of a call with other latents
+    raises :class:`torchfix.ModelMismatchError` saying so (:func:`stale_refusal`) instead of torch's size mismatch;
+    every call that runs, and every call where torchfix is off, as diffusers runs it."""
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def cache_context(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _context.current().active or self in _WATCHES or torch.compiler.is_compiling():
+            with original(self, *args, **kwargs):
+                yield
+            return
+        if self not in _NOTES:
+            _NOTES[self] = add_hook(self, _note_latents, pre=True, with_kwargs=True)
+        with original(self, *args, **kwargs):
+            try:
+                yield
+            except RuntimeError as exc:
+                refused = stale_refusal(self, exc)  # inside the context: the state it names is the context's
+                if refused is None:
+                    raise
+                raise ModelMismatchError(refused) from exc
+
+    return cache_context
+
+
 def _marking_clean(original: Any) -> Any:
     @functools.wraps(original)
     def _reset_stateful_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         _SIGNATURES.pop(self, None)  # diffusers' own reset (the end of a pipeline call): the state is clean
+        _UNWATCHED.pop(self, None)
         return result
 
     return _reset_stateful_cache
@@ -233,6 +430,7 @@ def _fresh_loop(original: Any) -> Any:
                 bar.close()
                 raise ModelMismatchError(refused)
             reset_unfinished(self)
+            side_components(self)
         try:
             for hook in LOOP_STARTS:  # deepcache.auto's: the cache torchfix run --deepcache asked for
                 hook(self)
@@ -404,6 +602,8 @@ def _patch_module(name: str) -> None:
         _patch(owner, "enable_cache", "diffusers CacheMixin.enable_cache", _watching_enable)
         _patch(owner, "disable_cache", "diffusers CacheMixin.disable_cache", _watching_disable)
         _patch(owner, "_reset_stateful_cache", "diffusers CacheMixin._reset_stateful_cache", _marking_clean)
+    if name == _CACHES and _in_force(li.STALE_UNWATCHED):
+        _patch(getattr(module, "CacheMixin", None), "cache_context", "diffusers CacheMixin.cache_context", _refusing_stale)
     if name == _TAYLORSEER and _in_force(li.TAYLORSEER_SHAPES):
         owner = getattr(module, "TaylorSeerState", None)
         _patch(owner, "update", "diffusers TaylorSeerState.update", _restarting_on_new_shapes)
@@ -413,10 +613,14 @@ def _patch_module(name: str) -> None:
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("encode_prompt")):
                 _patch(cls, "encode_prompt", f"diffusers {cls.__name__}.encode_prompt", _handing_over)
-    if name.startswith(_AUTOENCODERS) and _in_force(li.VAE_OVERFLOW):
+    if name.startswith(_AUTOENCODERS):  # a VAE left in another dtype runs in its pipeline's; a NaN decode re-runs in fp32
+        rescue = _in_force(li.VAE_OVERFLOW)
         for cls in list(vars(module).values()):
             if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("decode")):
-                _patch(cls, "decode", f"diffusers {cls.__name__}.decode", _rescue_decode)
+                decode = _decoding_in_pipeline_dtype_rescued if rescue else _in_pipeline_dtype
+                _patch(cls, "decode", f"diffusers {cls.__name__}.decode", decode)
+            if isinstance(cls, type) and cls.__module__ == name and callable(vars(cls).get("encode")):
+                _patch(cls, "encode", f"diffusers {cls.__name__}.encode", _in_pipeline_dtype)
 
 
 def _watched(name: str) -> bool:
@@ -484,16 +688,27 @@ def remove() -> None:
         sys.meta_path.remove(_FINDER)
     for patch in _PATCHES.values():
         patch.remove()  # kept (removed) for the next install
-    for handle in list(_WATCHES.values()):
-        handle.restore()
-    _WATCHES.clear()
+    for handles in (_WATCHES, _NOTES):
+        for handle in list(handles.values()):
+            handle.restore()
+        handles.clear()
+    for pair in list(_SIDES.values()):
+        for handle in pair:
+            handle.restore()
+    _SIDES.clear()
+    for calls in list(_IN_CALL.values()):
+        _end_calls(calls)
+    _UNWATCHED.clear()
 
 
 def installed() -> list[str]:
     """Labels of the library patches in place (the autoencoders' ``decode`` patches as one)."""
     labels = [p.label for p in _PATCHES.values() if p.installed]
-    decodes = [label for label in labels if label.endswith(".decode")]
-    encodes = [label for label in labels if label.endswith(".encode_prompt")]
-    rest = [label for label in labels if label not in decodes and label not in encodes]
-    grouped = [f"diffusers <autoencoder>.decode ({len(decodes)} classes)"] if decodes else []
-    return rest + grouped + ([f"diffusers <pipeline>.encode_prompt ({len(encodes)} classes)"] if encodes else [])
+    groups = (
+        (".decode", "diffusers <autoencoder>.decode"),
+        (".encode", "diffusers <autoencoder>.encode"),
+        (".encode_prompt", "diffusers <pipeline>.encode_prompt"),
+    )
+    grouped = {title: [label for label in labels if label.endswith(end)] for end, title in groups}
+    rest = [label for label in labels if not any(label in g for g in grouped.values())]
+    return rest + [f"{title} ({len(g)} classes)" for title, g in grouped.items() if g]

@@ -145,7 +145,7 @@ def guarded_call(spec: OpSpec, orig: Callable[..., Any], settings: Settings, arg
         keep = spec.kind in _PARAM_KINDS and _kept.is_kept(tensors.get("weight"), chain)
         params = frozenset(n for n, t in tensors.items() if _kept.is_owned(t, chain)) if spec.kind == "matmul" else frozenset()
         model = (None, "") if keep else _traced_owner() if compiling else _model.owner_dtype(chain or [])
-        if keep or params or model[0] is not None:
+        if keep or params or model[0] is not None or model[1]:
             signature = tuple((n, t.dtype, t.device, t.dim() == 0, n in params, *s[5:]) for (n, t), s in zip(tensors.items(), key[2]))
             key = (*key[:2], signature, *key[3:8], keep, *model)
             findings = list(_decide(*key))
