@@ -193,7 +193,7 @@ class Plan:
     chains: dict[frozenset, Chain] = field(default_factory=dict)  # call path (the arguments a call passes) -> its chain
     cannot_revise: str | None = None  # why the cached steps are not revised (None: they may be)
     prompt_only_names: tuple[str, ...] = ()  # the family's prompt-only modules found on the model
-    stand_ins: dict[int, Any] = field(default_factory=dict)  # layout position -> what a cached step calls in its place
+    skipped: dict[frozenset, tuple] = field(default_factory=dict)  # call path -> its cached blocks' places and stand-ins
     told_patched: bool = False  # a call with host block patches on skipped blocks was said to run in full
 
 
@@ -323,20 +323,24 @@ def _skipping(state: BlockState, step: BlockStep) -> Any:
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     plan, model = state.plan, state.model()
+    where = plan.skipped.get(step.path)
+    if where is None:  # once per call path: (list, index in it, block, stand-in) of each block of a cached run
+        where = plan.skipped[step.path] = tuple(_skipped(state, position) for position, slot in step.chain.slots.items() if slot.run >= 0)
     lists: dict[str, list] = {}
-    for position, slot in step.chain.slots.items():
-        if slot.run < 0:
-            continue
-        attr, _, index = plan.layout.names[position].rpartition(".")
+    for attr, index, block, stand_in in where:
         if attr not in lists:
             lists[attr] = list(getattr(model, attr))
-        if lists[attr][int(index)] is not plan.layout.blocks[position]:  # a block swapped since apply: the checks catch it
+        if lists[attr][index] is not block:  # a block swapped since apply: the blocks are called (the checks catch it)
             return contextlib.nullcontext()
-        if position not in plan.stand_ins:
-            block, spec = plan.layout.blocks[position], plan.layout.specs[position]
-            plan.stand_ins[position] = _stand_in(weakref.ref(state), position, block, spec)
-        lists[attr][int(index)] = plan.stand_ins[position]
+        lists[attr][index] = stand_in
     return instance.shadowed(model, lists)
+
+
+def _skipped(state: BlockState, position: int) -> tuple[str, int, torch.nn.Module, Any]:
+    layout = state.plan.layout
+    attr, _, index = layout.names[position].rpartition(".")
+    block = layout.blocks[position]
+    return attr, int(index), block, _stand_in(weakref.ref(state), position, block, layout.specs[position])
 
 
 def _model_forward(state: BlockState) -> Any:
