@@ -8,7 +8,9 @@ which stream and in which order they come back). On a full step every block runs
 blocks keeps its residual ``out − in`` per stream; on a cached step the first block of a run returns
 ``in + residual`` (the residual forecast from the last full steps) and the others pass their inputs through.
 The blocks the family keeps (``keep_first``/``keep_last``), the embedders, whatever the model computes between
-blocks and the output layers always run, so a cached step still sees this step's timestep and latents.
+blocks and the output layers always run, so a cached step still sees this step's timestep and latents. On a cached
+step of a ComfyUI transformer the skipped blocks are not called at all: for the call, stand-ins take their places in
+the block lists (:func:`_skipping`).
 
 **Verified, never guessed.** The first full call of every call path (the set of arguments a call passes) runs
 eagerly with every block of the family's lists observed: a block must be called once, in a fixed order; it
@@ -329,6 +331,8 @@ def _skipping(state: BlockState, step: BlockStep) -> Any:
     lists: dict[str, list] = {}
     for attr, index, block, stand_in in where:
         if attr not in lists:
+            if attr in vars(model):  # something else stands in front of the block list: the blocks are called
+                return contextlib.nullcontext()
             lists[attr] = list(getattr(model, attr))
         if lists[attr][index] is not block:  # a block swapped since apply: the blocks are called (the checks catch it)
             return contextlib.nullcontext()
