@@ -270,3 +270,243 @@ def test_the_cache_composes_with_comfyuis_compile(name):
     finally:
         torchfix.deepcache.remove(tiny.diffusion_model)
         torch._dynamo.reset()
+
+
+# --- what a cached step calls --------------------------------------------------------------------------------------
+
+TRANSFORMERS = [name for name in MODELS if name not in ("sd15", "sdxl")]
+
+
+class BlockHooks:
+    """Forward hooks on every block of a model's family lists: how often each block's module call ran."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self.handles = [b.register_forward_hook(self._count) for b in comfyui.blocks_of(model)]
+
+    def _count(self, *_) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _unswapped(monkeypatch) -> None:
+    """The cached step as it was before the skipped blocks left the call path: every block called, its installed
+    forward standing in (what runs under torch.compile, and for diffusers' transformers)."""
+    import contextlib
+    import importlib
+
+    blocks = importlib.import_module("torchfix.deepcache.blocks")
+    monkeypatch.setattr(blocks, "_skipping", lambda state, step: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_a_cached_step_calls_no_skipped_block(name, monkeypatch):
+    """Under ComfyUI's sampler a block's forward hooks fire exactly where the block computed: on a cached step the
+    skipped blocks are not called at all. The result is bit-identical to the cached step that called every block and
+    let its installed forward hand the input on, which fired the hooks of every block on every step."""
+    tiny = comfyui.tiny(name)
+    hooks = BlockHooks(tiny.diffusion_model)
+    try:
+        (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+        with comfyui.BlockCounter(tiny.diffusion_model) as computed:
+            out = comfyui.sample(tiny, cached, steps=8)
+        stats = torchfix.deepcache.stats(tiny.diffusion_model)
+        assert stats["cached_steps"] > 0 and hooks.calls == computed.calls, (hooks.calls, computed.calls)
+        assert not any("double_blocks" in vars(m) or "blocks" in vars(m) for m in tiny.diffusion_model.modules())  # put back
+        _unswapped(monkeypatch)
+        hooks.calls = 0
+        (before,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+        with comfyui.BlockCounter(tiny.diffusion_model) as computed_before:
+            old = comfyui.sample(tiny, before, steps=8)
+        assert torch.equal(out, old)
+        assert computed_before.calls == computed.calls and hooks.calls > computed.calls
+    finally:
+        hooks.remove()
+        torchfix.deepcache.remove(tiny.diffusion_model)
+
+
+def test_a_threshold_step_decided_at_the_first_cached_block_calls_only_what_computes(monkeypatch):
+    """With a refresh threshold the features entering the first cached block decide the step: the stand-in decides,
+    and where the step turns full it calls the block (hooks and all), so the hooks still fire exactly where a block
+    computed, and the result equals the cached steps that called every block."""
+    tiny = comfyui.tiny("flux")
+    hooks = BlockHooks(tiny.diffusion_model)
+    try:
+        (cached,) = TorchfixCache().patch(tiny.patcher, 4, 0.05, 0)
+        with comfyui.BlockCounter(tiny.diffusion_model) as computed:
+            out = comfyui.sample(tiny, cached, steps=10)
+        stats = torchfix.deepcache.stats(tiny.diffusion_model)
+        assert stats["cached_steps"] > 0 and stats["full_steps"] > 4 and hooks.calls == computed.calls
+        _unswapped(monkeypatch)
+        (before,) = TorchfixCache().patch(tiny.patcher, 4, 0.05, 0)
+        assert torch.equal(comfyui.sample(tiny, before, steps=10), out)
+    finally:
+        hooks.remove()
+        torchfix.deepcache.remove(tiny.diffusion_model)
+
+
+def test_a_block_list_is_put_back_when_the_call_raises():
+    tiny = comfyui.tiny("flux")
+    model = tiny.diffusion_model
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=2, warm_up=False, forecast=0, stop=1.0))
+    x = latent(tiny)
+    tiny.call(x, 3.0)  # full: verifies the chain
+    lists = (model.double_blocks, model.single_blocks)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    handle = model.final_layer.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            tiny.call(x, 3.0)  # cached: raises inside the forward, after the blocks
+        assert (model.double_blocks, model.single_blocks) == lists and "double_blocks" not in vars(model)
+    finally:
+        handle.remove()
+        torchfix.deepcache.remove(model)
+
+
+# --- ComfyUI's block patches (transformer_options["patches_replace"]["dit"], ["patches"]["double_block"]) -------------
+
+
+class AddToBlock:
+    """A PuLID-style ``patches_replace["dit"]`` entry: calls the block, adds a constant (one value per channel: a
+    layer norm would take away one value for all) to the image stream it returns, and counts its calls."""
+
+    def __init__(self, value: float = 0.5) -> None:
+        self.value, self.calls = value, 0
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        self.calls += 1
+        out = extra["original_block"](args)
+        img = out["img"]
+        return {**out, "img": img + self.value * torch.linspace(-1.0, 1.0, img.shape[-1], dtype=img.dtype)}
+
+
+class SkipBlock:
+    """ComfyUI's SkipLayerGuidanceDiT patch (comfy_extras/nodes_slg.py): the block is not called at all."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        self.calls += 1
+        return args
+
+
+def _patched(patcher, patch, kind: str, index: int):
+    clone = patcher.clone()
+    clone.set_model_patch_replace(patch, "dit", kind, index)
+    return clone
+
+
+@pytest.mark.parametrize("name, kind, index", [("flux", "double_block", 1), ("flux", "single_block", 0), ("wan", "double_block", 2)])
+def test_a_call_with_a_block_patch_on_a_skipped_block_runs_in_full(name, kind, index):
+    """A patch on a block a cached step would skip: every such call runs as without the cache, so the patch runs
+    exactly as often as in the plain workflow and the result is the plain one, bit for bit (a cached step would add
+    PuLID's term again on top of a residual that holds it); it is said once."""
+    tiny = comfyui.tiny(name)
+    plain_patch = AddToBlock()
+    plain = comfyui.sample(tiny, _patched(tiny.patcher, plain_patch, kind, index), steps=8)
+    (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    patch = AddToBlock()
+    try:
+        with pytest.warns(torchfix.TorchfixWarning, match=rf"block patches .* \(.*{index}.*\)\. Such calls run in full"):
+            out = comfyui.sample(tiny, _patched(cached, patch, kind, index), steps=8)
+        assert patch.calls == plain_patch.calls > 0 and torch.equal(out, plain)
+        assert torchfix.deepcache.stats(tiny.diffusion_model)["last_call"]["cached_steps"] == 0
+        unpatched = comfyui.sample(tiny, steps=8)
+        assert rel(plain, unpatched) > 1e-3  # the patch does change the picture
+        again = comfyui.sample(tiny, cached, steps=8)  # the same cache without the patch: cached as before
+        assert torchfix.deepcache.stats(tiny.diffusion_model)["last_call"]["cached_steps"] > 0 and rel(again, unpatched) < 0.25
+    finally:
+        torchfix.deepcache.remove(tiny.diffusion_model)
+
+
+def test_a_patch_on_a_block_that_always_runs_is_applied_on_every_step_and_the_rest_cached():
+    """A patch on a block a cached step runs (``keep_first``) runs on every call, once, as in the plain workflow, and
+    the other blocks are cached, once a call without patches has verified the call path (until then a patched call
+    runs in full: which blocks a cached step skips is known from the verified chain)."""
+    tiny = comfyui.tiny("flux")
+    config = torchfix.DeepCacheConfig(interval=3, keep_first=1)
+    plain_patch, patch = AddToBlock(), AddToBlock()
+    plain = comfyui.sample(tiny, _patched(tiny.patcher, plain_patch, "double_block", 0), steps=8)
+    torchfix.deepcache.apply(tiny.diffusion_model, config)
+    try:
+        comfyui.sample(tiny, steps=2)  # verifies the call path
+        out = comfyui.sample(tiny, _patched(tiny.patcher, patch, "double_block", 0), steps=8)
+        assert torchfix.deepcache.stats(tiny.diffusion_model)["last_call"]["cached_steps"] > 0
+        assert patch.calls == plain_patch.calls > 0 and rel(out, plain) < 0.25
+    finally:
+        torchfix.deepcache.remove(tiny.diffusion_model)
+
+
+def test_a_patch_added_after_the_chain_was_verified_runs_and_is_not_cached_through():
+    """The chain is verified per call path (argument names): a patch added later rides the same path. The call that
+    carries it runs in full (the patch called once, the output the plain model's with the patch); the next call
+    without it is cached from the residual kept before."""
+    tiny = comfyui.tiny("flux")
+    model = tiny.diffusion_model
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=3, warm_up=False, forecast=0, stop=1.0))
+    x = latent(tiny)
+    patch = AddToBlock()
+    dit = {"patches_replace": {"dit": {("single_block", 1): patch}}}
+    try:
+        first = tiny.call(x, 3.0)  # full: verifies
+        with pytest.warns(torchfix.TorchfixWarning, match="Such calls run in full"):
+            with_patch = tiny.call(x, 3.0, **dit)  # would be cached: runs in full, patched
+        assert patch.calls == 1
+        cached = tiny.call(x, 3.0)
+        stats = torchfix.deepcache.stats(model)
+        assert stats["cached_steps"] == 1 and rel(cached, first) < 1e-5
+    finally:
+        torchfix.deepcache.remove(model)
+    assert torch.equal(with_patch, tiny.call(x, 3.0, **dit)) and patch.calls == 2  # the plain model with the patch
+
+
+def test_a_skip_layer_patch_runs_in_full_without_tripping_the_chain_checks():
+    """ComfyUI's own SkipLayerGuidanceDiT patch leaves its block out; with the cache such a call runs as without it
+    (before, a verified chain saw a block missing and refused the model)."""
+    tiny = comfyui.tiny("flux")
+    model = tiny.diffusion_model
+    torchfix.deepcache.apply(model, torchfix.DeepCacheConfig(interval=2, warm_up=False, forecast=0, stop=1.0))
+    x = latent(tiny)
+    skip = SkipBlock()
+    slg = {"patches_replace": {"dit": {("double_block", 1): skip, ("single_block", 2): skip}}}
+    try:
+        tiny.call(x, 3.0)
+        with pytest.warns(torchfix.TorchfixWarning, match="Such calls run in full"):
+            out = [tiny.call(x, 3.0, **slg) for _ in range(3)]
+        assert skip.calls == 6
+    finally:
+        torchfix.deepcache.remove(model)
+    plain = tiny.call(x, 3.0, **slg)
+    assert all(torch.equal(o, plain) for o in out)
+
+
+def test_a_patch_between_blocks_runs_in_full():
+    """Qwen-Image's ``patches["double_block"]`` (ComfyUI's DiffSynth ControlNet patch) runs after every block; a
+    cached step would add it again to what the cached residual holds: such calls run in full."""
+    tiny = comfyui.tiny("qwenimage")
+    calls = []
+
+    def after_block(args: dict) -> dict:
+        calls.append(args["block_index"])
+        return {"img": args["img"] + 0.05, "txt": args["txt"]}
+
+    plain_clone = tiny.patcher.clone()
+    plain_clone.set_model_double_block_patch(after_block)
+    plain = comfyui.sample(tiny, plain_clone, steps=6)
+    plain_calls, calls[:] = list(calls), []
+    (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
+    clone = cached.clone()
+    clone.set_model_double_block_patch(after_block)
+    try:
+        with pytest.warns(torchfix.TorchfixWarning, match="Such calls run in full"):
+            out = comfyui.sample(tiny, clone, steps=6)
+        assert calls == plain_calls and torch.equal(out, plain)
+    finally:
+        torchfix.deepcache.remove(tiny.diffusion_model)

@@ -431,3 +431,22 @@ def test_the_comfyui_reading_leaves_a_class_outside_comfyui_as_it_was():
     assert not inference.is_comfy(ComfyShaped) and inference.is_comfy(derived)  # derives from a ComfyUI class: read as one
     with pytest.raises(torchfix.UnsupportedModelError, match=r"outside `for block in self\.<list>` loops"):
         families.infer(ComfyShaped())
+
+
+def test_comfyui_block_patches_are_placed_on_the_entrys_lists():
+    """``("double_block", i)`` is block i of a ComfyUI entry's first list, ``("single_block", i)`` of its second;
+    ``patches["double_block"]`` follows every block of the first; a key torchfix cannot place touches every block."""
+    from torchfix.families.entries import comfy_patched
+
+    def options(**to):
+        return {"transformer_options": to}
+
+    dit = {("double_block", 3): print, ("single_block", 0): print}
+    assert comfy_patched(options(patches_replace={"dit": dit})) == {(0, 3), (1, 0)}
+    assert comfy_patched(options(patches={"double_block": [print], "post_input": [print]})) == {(0, -1)}
+    assert comfy_patched(options(patches_replace={"dit": {("block", 2): print}})) == {(-1, -1)}
+    assert comfy_patched(options(patches_replace={"attn1": {("input", 1): print}}, cond_or_uncond=[0])) == frozenset()
+    assert comfy_patched({"x": None}) == frozenset()
+    for name in families.names(builtin=True):
+        family = families.get(name)
+        assert (family.patched is comfy_patched) == (family.host == "comfyui"), name

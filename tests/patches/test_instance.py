@@ -55,3 +55,38 @@ def test_place_refuses_to_move_past_another_librarys_hook():
         instance.place(handle, lambda n: n.startswith("cp_input---"), outside=False)
     assert registry._hook_order == ["cp_input---", "someone_else", "torchfix_test"]  # nothing moved
     handle.restore()
+
+
+def test_shadowed_lists_stand_in_for_a_module_list_and_are_put_back_even_when_the_block_raises():
+    model = torch.nn.Module()
+    model.blocks = blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    keys = set(model.state_dict())
+    stand_in = [blocks[0], lambda x: x]
+    with instance.shadowed(model, {"blocks": stand_in}):
+        assert model.blocks is stand_in and set(model.state_dict()) == keys  # the children stay registered
+        x = torch.ones(1, 2)
+        assert model.blocks[1](x) is x
+    assert model.blocks is blocks and "blocks" not in vars(model)
+    with pytest.raises(RuntimeError, match="inside"):
+        with instance.shadowed(model, {"blocks": stand_in}):
+            raise RuntimeError("inside")
+    assert model.blocks is blocks and "blocks" not in vars(model)
+
+
+def test_shadowed_refuses_a_name_someone_else_shadows_and_leaves_a_replacement_in_place():
+    from torchfix import TorchfixWarning
+    from torchfix.errors import TorchfixError
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Identity()])
+    theirs = ["theirs"]
+    vars(model)["blocks"] = theirs
+    with pytest.raises(TorchfixError, match="already an instance attribute"):
+        with instance.shadowed(model, {"blocks": []}):
+            pass
+    assert model.blocks is theirs
+    del vars(model)["blocks"]
+    with pytest.warns(TorchfixWarning, match="replaced by someone else"):
+        with instance.shadowed(model, {"blocks": []}):
+            vars(model)["blocks"] = theirs
+    assert model.blocks is theirs

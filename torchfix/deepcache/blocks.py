@@ -8,7 +8,9 @@ which stream and in which order they come back). On a full step every block runs
 blocks keeps its residual ``out − in`` per stream; on a cached step the first block of a run returns
 ``in + residual`` (the residual forecast from the last full steps) and the others pass their inputs through.
 The blocks the family keeps (``keep_first``/``keep_last``), the embedders, whatever the model computes between
-blocks and the output layers always run, so a cached step still sees this step's timestep and latents.
+blocks and the output layers always run, so a cached step still sees this step's timestep and latents. On a cached
+step of a ComfyUI transformer the skipped blocks are not called at all: for the call, stand-ins take their places in
+the block lists (:func:`_skipping`).
 
 **Verified, never guessed.** The first full call of every call path (the set of arguments a call passes) runs
 eagerly with every block of the family's lists observed: a block must be called once, in a fixed order; it
@@ -31,9 +33,11 @@ model's output layers (Flux), each full step may also *revise* the cached steps 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +46,7 @@ import torch
 
 from .. import families
 from .._frames import hiding_frames, under_dynamo
-from ..errors import InvalidArgumentError, UnsupportedModelError
+from ..errors import InvalidArgumentError, TorchfixWarning, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
 from . import engine, forecast, generation, installed, parallel, prompt_only, schedule
@@ -191,6 +195,8 @@ class Plan:
     chains: dict[frozenset, Chain] = field(default_factory=dict)  # call path (the arguments a call passes) -> its chain
     cannot_revise: str | None = None  # why the cached steps are not revised (None: they may be)
     prompt_only_names: tuple[str, ...] = ()  # the family's prompt-only modules found on the model
+    skipped: dict[frozenset, tuple] = field(default_factory=dict)  # call path -> its cached blocks' places and stand-ins
+    told_patched: bool = False  # a call with host block patches on skipped blocks was said to run in full
 
 
 @dataclass(eq=False)
@@ -257,10 +263,11 @@ def _begin(state: BlockState, arguments: dict[str, Any]) -> BlockStep:
         return state.step
     path = frozenset(k for k, v in arguments.items() if v is not None and k != "kwargs") | frozenset(arguments.get("kwargs") or ())
     chain = plan.chains.get(path)
+    patched = _patched(state, chain, arguments)
     latents, prompt = arguments.get(family.latent), arguments.get(family.prompt) if family.prompt else None
     context = family.context(arguments) if family.context is not None else state.context
     stream = generation.enter(state, latents, prompt, context)
-    mode = schedule.decide(state, stream, arguments, verified=chain is not None)
+    mode = schedule.decide(state, stream, arguments, verified=chain is not None, plain=bool(patched))
     revising = mode != "off" and plan.cannot_revise is None and state.generation.sigmas is not None
     # Under torch.compile some blocks run inside graphs (their Python never runs) and others, past a graph break or
     # dynamo's recompile limit, eagerly: the call order can only be checked where every block runs eagerly.
@@ -271,6 +278,73 @@ def _begin(state: BlockState, arguments: dict[str, Any]) -> BlockStep:
         step.recorder = Recorder(plan.layout)
     state.step = step
     return step
+
+
+def _patched(state: BlockState, chain: Chain | None, arguments: dict[str, Any]) -> list[str]:
+    """The blocks of this call that a cached step would skip and that a host-side block patch of the call takes the
+    place of or follows (ComfyUI's ``patches_replace["dit"]``, ``patches["double_block"]``: the family's ``patched``).
+    Such a call runs as without the cache: a cached step would leave the patch out, or (a patch that adds to what its
+    block returns, as PuLID-Flux's does) add it again on top of a residual that holds it already. Said once per cache.
+    Before its call path is verified every block counts as one a cached step may skip."""
+    family, plan = state.family, state.plan
+    touched = family.patched(arguments) if family.patched is not None else ()
+    if not touched:
+        return []
+    layout = plan.layout
+    skipped = {p for p, slot in chain.slots.items() if slot.run >= 0} if chain is not None else set(range(layout.n_blocks))
+    attrs = [spec.attr for spec in family.blocks]
+    hit = []
+    for position in sorted(skipped):
+        attr, _, index = layout.names[position].rpartition(".")
+        k = attrs.index(attr)
+        if (-1, -1) in touched or (k, -1) in touched or (k, int(index)) in touched:
+            hit.append(layout.names[position])
+    if hit and not plan.told_patched:
+        plan.told_patched = True
+        warnings.warn(
+            f"torchfix.deepcache: {type(state.model()).__name__}: a call carries block patches (ComfyUI's "
+            f"transformer_options patches_replace['dit'] or patches['double_block']) on blocks a cached step would skip "
+            f"({', '.join(hit[:4])}{', ...' if len(hit) > 4 else ''}). Such calls run in full, every block and patch as "
+            "without the cache (a cached step would drop the patch, or apply it twice on top of the cached residual); "
+            "calls without them are cached as before.",
+            TorchfixWarning,
+            stacklevel=4,
+        )
+    return hit
+
+
+def _skipping(state: BlockState, step: BlockStep) -> Any:
+    """While a cached step of a ComfyUI transformer runs (eager): its block lists as the model's forward reads them,
+    each block of a cached run in its list replaced by its stand-in (:func:`_stand_in`), so that a skipped block is
+    not called at all (no module call, no hooks) and every index stays where it was (ComfyUI's loops look patches,
+    ControlNet residuals and modulations up by it). Put back when the call ends, also when it raises. Elsewhere
+    (diffusers' transformers, whose block hooks expect every block to be called; under torch.compile) the blocks
+    are called and their installed forwards stand in."""
+    if step.mode not in ("cached", "probe") or step.chain is None or not step.eager or state.family.host != "comfyui":
+        return contextlib.nullcontext()
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    plan, model = state.plan, state.model()
+    where = plan.skipped.get(step.path)
+    if where is None:  # once per call path: (list, index in it, block, stand-in) of each block of a cached run
+        where = plan.skipped[step.path] = tuple(_skipped(state, position) for position, slot in step.chain.slots.items() if slot.run >= 0)
+    lists: dict[str, list] = {}
+    for attr, index, block, stand_in in where:
+        if attr not in lists:
+            if attr in vars(model):  # something else stands in front of the block list: the blocks are called
+                return contextlib.nullcontext()
+            lists[attr] = list(getattr(model, attr))
+        if lists[attr][index] is not block:  # a block swapped since apply: the blocks are called (the checks catch it)
+            return contextlib.nullcontext()
+        lists[attr][index] = stand_in
+    return instance.shadowed(model, lists)
+
+
+def _skipped(state: BlockState, position: int) -> tuple[str, int, torch.nn.Module, Any]:
+    layout = state.plan.layout
+    attr, _, index = layout.names[position].rpartition(".")
+    block = layout.blocks[position]
+    return attr, int(index), block, _stand_in(weakref.ref(state), position, block, layout.specs[position])
 
 
 def _model_forward(state: BlockState) -> Any:
@@ -285,7 +359,8 @@ def _model_forward(state: BlockState) -> Any:
                 if step.recorder is not None:  # the first call of this call path: observed, and its chain verified
                     output = verify(state, state.model(), original, args, kwargs)
                 else:
-                    output = original(*args, **kwargs)
+                    with _skipping(state, step):  # a cached ComfyUI step: the skipped blocks out of the call path
+                        output = original(*args, **kwargs)
                     if step.mode in ("full", "cached") and step.chain is not None and step.eager and not torch.compiler.is_compiling():
                         check_calls(state, step)
             finally:  # the step is over: what it kept joins the history; a full step may revise the cached ones
@@ -320,19 +395,10 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
             if slot.run < 0:
                 return original(*args, **kwargs)
             run = step.chain.runs[slot.run]
-            if mode in ("probe", "cached") and slot.first and reshaped(state, slot.run, run, read(args, kwargs), spec):
-                mode = restart_run(state, slot.run)  # the streams changed shape within the generation: full from here
-            if mode == "probe":  # the first cached block: the features entering it decide
-                mode = step.mode = schedule.probe(state, read(args, kwargs)[spec.returns.index("image")])
+            if mode in ("probe", "cached"):
+                mode = _entering(state, step, slot, read(args, kwargs), spec)
             if mode == "cached":
-                now = read(args, kwargs)
-                if not slot.first:
-                    return returned(now, step.chain.tuple_out[position])
-                if slot.run == 0 and step.revising:
-                    step.entered, step.used = now[spec.returns.index("image")], 1.0  # cached sets the sensitivity it used
-                ordered = tuple(now[spec.returns.index(s)] for s in run.streams)
-                out = cached(state, slot.run, run, ordered)
-                return returned(tuple(out[run.streams.index(s)] for s in spec.returns), step.chain.tuple_out[position])
+                return _in_place_of(state, step, position, read(args, kwargs), spec)
             if slot.first:
                 now = read(args, kwargs)
                 if step.chain.inplace:  # the blocks update what enters the run in place: keep it as it enters
@@ -351,6 +417,57 @@ def _block_forward(state_ref: weakref.ref[BlockState], position: int, block: tor
         return forward
 
     return make
+
+
+def _entering(state: BlockState, step: BlockStep, slot: Any, now: tuple[Any, ...], spec: Blocks) -> str:
+    """What a block of a cached run does on a step still cached or undecided: at a run's first block, a restart where
+    the streams changed shape within the generation (full from here), and a probe's decision by the features entering
+    the first cached block. Returns the step's mode from here."""
+    mode = step.mode
+    if slot.first and reshaped(state, slot.run, step.chain.runs[slot.run], now, spec):
+        mode = restart_run(state, slot.run)
+    if mode == "probe":
+        mode = step.mode = schedule.probe(state, now[spec.returns.index("image")])
+    return mode
+
+
+def _in_place_of(state: BlockState, step: BlockStep, position: int, now: tuple[Any, ...], spec: Blocks) -> Any:
+    """What block ``position`` returns on a cached step, given the streams it got: ``in + residual`` for the first
+    block of a run (:func:`~torchfix.deepcache.residuals.cached`), the streams as they came for the others."""
+    slot = step.chain.slots[position]
+    if not slot.first:
+        return returned(now, step.chain.tuple_out[position])
+    run = step.chain.runs[slot.run]
+    if slot.run == 0 and step.revising:
+        step.entered, step.used = now[spec.returns.index("image")], 1.0  # cached sets the sensitivity it used
+    ordered = tuple(now[spec.returns.index(s)] for s in run.streams)
+    out = cached(state, slot.run, run, ordered)
+    return returned(tuple(out[run.streams.index(s)] for s in spec.returns), step.chain.tuple_out[position])
+
+
+def _stand_in(state_ref: weakref.ref[BlockState], position: int, block: torch.nn.Module, spec: Blocks) -> Any:
+    """What a cached ComfyUI step's block list holds in place of block ``position`` of a cached run (:func:`_skipping`):
+    a plain function taking the block's arguments that returns what the block's installed forward would return on
+    that step, without calling the block. Where the step turns full at it (a probe, streams of another shape) it
+    calls the block, through its module call and hooks."""
+    read = reader(block, spec)
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        state = state_ref()
+        step = state.step if state is not None else None
+        if step is None or step.chain is None or step.mode not in ("cached", "probe"):
+            return block(*args, **kwargs)
+        slot = step.chain.slots[position]
+        if _entering(state, step, slot, read(args, kwargs), spec) != "cached":
+            return block(*args, **kwargs)
+        if slot.order != step.cursor:
+            raise out_of_order(state, position)
+        step.cursor += 1
+        return _in_place_of(state, step, position, read(args, kwargs), spec)
+
+    stand_in.__qualname__ = stand_in.__name__ = f"torchfix_cached_{type(block).__name__}"
+    stand_in.__torchfix_deepcache__ = True  # type: ignore[attr-defined]
+    return stand_in
 
 
 def _norm_hook(state_ref: weakref.ref[BlockState], norm: torch.nn.Module) -> Any:

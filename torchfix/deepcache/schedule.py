@@ -184,15 +184,16 @@ def generation_steps(state: CacheState) -> int | None:
 
 
 @outside_graphs
-def decide(state: CacheState, stream: Stream, arguments: dict[str, Any], *, verified: bool = True) -> str:
+def decide(state: CacheState, stream: Stream, arguments: dict[str, Any], *, verified: bool = True, plain: bool = False) -> str:
     """What this denoiser call does in ``stream`` (:data:`MODES`, but "off"), counted unless it is a probe.
-    ``verified``: the family's blocks were checked on this call path (until then a call runs in full). Kept
-    out of compiled graphs: it is Python state, not tensor math."""
+    ``verified``: the family's blocks were checked on this call path (until then a call runs in full); ``plain``:
+    the call runs as without the cache whatever the schedule says (a host's block patch on a block a cached step
+    would skip). Kept out of compiled graphs: it is Python state, not tensor math."""
     index = stream.step
     stream.step += 1
     config = state.generation.config
     extra = arguments.get("kwargs") or {}  # what a forward's **kwargs took (ComfyUI's Wan takes control there)
-    if config.interval == 1 or any(arguments.get(name, extra.get(name)) is not None for name in state.family.full_only_arguments):
+    if plain or config.interval == 1 or any(arguments.get(name, extra.get(name)) is not None for name in state.family.full_only_arguments):
         mode = "plain"
     elif not stream.histories.get(0) or not verified:
         mode = "full"

@@ -597,6 +597,40 @@ def comfy_passes(arguments: Any) -> str | None:
     return None if passes is None else "cond_or_uncond=" + ",".join(str(p) for p in passes)
 
 
+# ComfyUI's block patches (comfy/model_patcher.py): ``patches_replace["dit"][("double_block", i)]`` is called in place of
+# block i of a model's first block list (Wan, LTX, Qwen-Image, Mochi: their only list), ``("single_block", i)`` of its
+# second, with the block as ``extra["original_block"]`` (SkipLayerGuidance's patch returns its input: the block is
+# skipped; PuLID-Flux's adds its ID attention to what the block returns, between start_at and end_at);
+# ``patches["double_block"]`` runs after every block of the first list (Qwen-Image's DiffSynth ControlNet patch).
+COMFY_BLOCK_LISTS = {"double_block": 0, "single_block": 1}
+
+
+def comfy_patched(arguments: Any) -> frozenset[tuple[int, int]]:
+    """The blocks a ComfyUI call's block patches take the place of or follow, as ``(list, index)`` (``index`` -1:
+    every block of the list; ``(-1, -1)``: a ``patches_replace["dit"]`` key torchfix cannot place).
+
+    >>> dit = {("double_block", 1): print, ("single_block", 0): print}
+    >>> sorted(comfy_patched({"transformer_options": {"patches_replace": {"dit": dit}}}))
+    [(0, 1), (1, 0)]
+    >>> sorted(comfy_patched({"kwargs": {"transformer_options": {"patches": {"double_block": [print]}}}}))
+    [(0, -1)]
+    """
+    options = arguments.get("transformer_options") if hasattr(arguments, "get") else None
+    if options is None and hasattr(arguments, "get") and isinstance(arguments.get("kwargs"), dict):
+        options = arguments["kwargs"].get("transformer_options")
+    if not isinstance(options, dict):
+        return frozenset()
+    found = set()
+    for key in (options.get("patches_replace") or {}).get("dit") or {}:
+        kind, index = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        placed = kind in COMFY_BLOCK_LISTS and isinstance(index, int)
+        found.add((COMFY_BLOCK_LISTS[kind], index) if placed else (-1, -1))
+    for kind, patches in (options.get("patches") or {}).items():
+        if kind in COMFY_BLOCK_LISTS and patches:
+            found.add((COMFY_BLOCK_LISTS[kind], -1))
+    return frozenset(found)
+
+
 COMFY = "comfy.ldm."
 COMFY_IMAGE_TEXT = {"image": "img", "text": "txt"}
 
@@ -604,7 +638,16 @@ COMFY_IMAGE_TEXT = {"image": "img", "text": "txt"}
 def comfy(name: str, title: str, cls: str, **fields: Any) -> Family:
     """A ComfyUI family: latents ``x``, passes from ``transformer_options``, ``control`` calls in full."""
     return Family(
-        name, title, (COMFY + cls,), latent="x", prompt=None, host="comfyui", context=comfy_passes, full_only=("control",), **fields
+        name,
+        title,
+        (COMFY + cls,),
+        latent="x",
+        prompt=None,
+        host="comfyui",
+        context=comfy_passes,
+        patched=comfy_patched,
+        full_only=("control",),
+        **fields,
     )
 
 

@@ -439,7 +439,7 @@ def infer(model: torch.nn.Module) -> Family:
         if attr not in lists and role(attr) == "text" and not any(t in attr for t in ("time", "temb", "timestep"))
     )
     if is_comfy(type(model)):
-        from .entries import comfy_passes
+        from .entries import comfy_passes, comfy_patched
 
         cls = type(model)
         takes = inspect.signature(inspect.unwrap(cls.forward)).parameters
@@ -459,6 +459,7 @@ def infer(model: torch.nn.Module) -> Family:
             prompt_only=prompt_only,
             host="comfyui",
             context=comfy_passes,
+            patched=comfy_patched,
             full_only=("control",),
         )
     return Family(

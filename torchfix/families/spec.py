@@ -189,6 +189,11 @@ class Family:
         context: ``(bound forward arguments) -> str | None``: which guidance passes a call runs, where the host says
             it in an argument rather than by ``cache_context`` or a prompt object (ComfyUI's
             ``transformer_options["cond_or_uncond"]``); each distinct answer is a stream of its own.
+        patched: ``(bound forward arguments) -> frozenset of (list, index)``: the blocks a call's host-side block patches
+            run in place of or right after (ComfyUI's ``transformer_options["patches_replace"]["dit"]`` and
+            ``["patches"]["double_block"]``), ``list`` indexing :attr:`blocks`, ``index`` the block in it (-1: every
+            block of the list; ``(-1, -1)``: a patch torchfix cannot place). A call with a patch on a block its cached
+            step would skip runs in full (:mod:`torchfix.deepcache.blocks`).
         noise: where its diffusers pipelines take the initial noise's dtype from: ``"embeddings"`` (the prompt
             embeddings as ``encode_prompt`` returns them: ``prepare_latents(..., prompt_embeds.dtype, ...)``, and
             the embeddings reach the denoiser as they are), ``"embeddings as given"`` (the same, and precomputed
@@ -215,6 +220,7 @@ class Family:
     host: str = "diffusers"
     context: Callable[[Mapping[str, Any]], str | None] | None = None
     noise: str = ""
+    patched: Callable[[Mapping[str, Any]], frozenset[tuple[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("transformer", "unet"):

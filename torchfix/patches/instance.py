@@ -9,8 +9,9 @@ inherited from the class is deleted again, not left as a copy).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "forward_source",
     "place",
     "set_attr",
+    "shadowed",
     "swap_tensor",
     "wrap_forward",
 ]
@@ -70,6 +72,42 @@ def set_attr(obj: Any, name: str, value: Any) -> AttrHandle:
     previous = vars(obj).get(name, _MISSING)
     setattr(obj, name, value)
     return AttrHandle(obj, name, value, previous)
+
+
+@contextlib.contextmanager
+def shadowed(module: torch.nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
+    """Within the block, reading ``module.<name>`` gives ``values[name]`` instead of the child module registered under
+    that name; afterwards (also when the block raises) the child is what the name reads again.
+
+    The value goes into the instance's ``__dict__``, which Python reads before ``nn.Module.__getattr__`` looks in
+    ``_modules``: the child stays registered (``state_dict``, ``.to()``, ``named_modules`` and hooks see it), and a
+    plain list can stand in for a ``ModuleList``, which ``nn.Module.__setattr__`` would refuse.
+
+    >>> m = torch.nn.Module(); m.blocks = torch.nn.ModuleList([torch.nn.Identity()])
+    >>> with shadowed(m, {"blocks": [abs]}):
+    ...     m.blocks[0](-1)
+    1
+    >>> type(m.blocks).__name__, "blocks" in vars(m)
+    ('ModuleList', False)
+    """
+    taken = [name for name in values if name in vars(module)]
+    if taken:
+        raise TorchfixError(
+            f"torchfix: {type(module).__name__}.{taken[0]} is already an instance attribute (someone shadows the child "
+            "module there); torchfix leaves it alone."
+        )
+    put = []
+    try:
+        for name, value in values.items():
+            vars(module)[name] = value
+            put.append((name, value))
+        yield
+    finally:
+        for name, value in put:
+            if vars(module).get(name, _MISSING) is value:
+                del vars(module)[name]
+            else:
+                leave_theirs(f"{type(module).__name__}.{name}")
 
 
 @dataclass
