@@ -295,11 +295,10 @@ class BlockHooks:
 def _unswapped(monkeypatch) -> None:
     """The cached step as it was before the skipped blocks left the call path: every block called, its installed
     forward standing in (what runs under torch.compile, and for diffusers' transformers)."""
-    import contextlib
     import importlib
 
     blocks = importlib.import_module("torchfix.deepcache.blocks")
-    monkeypatch.setattr(blocks, "_skipping", lambda state, step: contextlib.nullcontext())
+    monkeypatch.setattr(blocks, "_shadows", lambda state, chain, path: None)
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS)

@@ -10,7 +10,7 @@ blocks keeps its residual ``out − in`` per stream; on a cached step the first 
 The blocks the family keeps (``keep_first``/``keep_last``), the embedders, whatever the model computes between
 blocks and the output layers always run, so a cached step still sees this step's timestep and latents. On a cached
 step of a ComfyUI transformer the skipped blocks are not called at all: for the call, stand-ins take their places in
-the block lists (:func:`_skipping`).
+the block lists (:func:`_shadows`).
 
 **Verified, never guessed.** The first full call of every call path (the set of arguments a call passes) runs
 eagerly with every block of the family's lists observed: a block must be called once, in a fixed order; it
@@ -37,7 +37,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +45,7 @@ import torch
 
 from .. import families
 from .._frames import hiding_frames, under_dynamo
-from ..errors import InvalidArgumentError, TorchfixWarning, UnsupportedModelError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 from ..families import Blocks, Family
 from ..patches import instance
 from . import engine, forecast, generation, installed, parallel, prompt_only, schedule
@@ -195,7 +194,8 @@ class Plan:
     chains: dict[frozenset, Chain] = field(default_factory=dict)  # call path (the arguments a call passes) -> its chain
     cannot_revise: str | None = None  # why the cached steps are not revised (None: they may be)
     prompt_only_names: tuple[str, ...] = ()  # the family's prompt-only modules found on the model
-    skipped: dict[frozenset, tuple] = field(default_factory=dict)  # call path -> its cached blocks' places and stand-ins
+    stand_ins: dict[int, Any] = field(default_factory=dict)  # ComfyUI: layout position -> what a cached step calls instead
+    shadows: dict[frozenset, tuple] = field(default_factory=dict)  # call path -> (list, index, position) of its cached blocks
     told_patched: bool = False  # a call with host block patches on skipped blocks was said to run in full
 
 
@@ -215,6 +215,7 @@ class BlockStep(engine.Step):
     conditioning: torch.Tensor | None = None  # the conditioning a cached step's norm got
     prompt_only_calls: dict[str, int] = field(default_factory=dict)  # calls of each prompt-only module in this call
     total: Any = None  # adds per-rank sums over the ranks that share this call (parallel.summer; None: alone)
+    shadows: dict[str, list] | None = None  # what the model's block lists read during a cached ComfyUI step
 
 
 @dataclass(eq=False)
@@ -250,7 +251,10 @@ class BlockState(engine.CacheState):
 def _begin(state: BlockState, arguments: dict[str, Any]) -> BlockStep:
     """This call's step: what it does, and whether it verifies a new call path; eager: Python state only."""
     family, plan = state.family, state.plan
-    engaged, moved = installed.check(state)
+    path = frozenset(k for k, v in arguments.items() if v is not None and k != "kwargs") | frozenset(arguments.get("kwargs") or ())
+    chain = plan.chains.get(path)
+    shadows = _shadows(state, chain, path)
+    engaged, moved, swapped = installed.check(state)
     if moved:
         raise UnsupportedModelError(
             f"torchfix.deepcache: {type(state.model()).__name__}.enable_parallelism(...) came after DeepCache was applied, so "
@@ -261,90 +265,47 @@ def _begin(state: BlockState, arguments: dict[str, Any]) -> BlockStep:
     if not engaged:
         state.step = BlockStep()
         return state.step
-    path = frozenset(k for k, v in arguments.items() if v is not None and k != "kwargs") | frozenset(arguments.get("kwargs") or ())
-    chain = plan.chains.get(path)
-    patched = _patched(state, chain, arguments)
     latents, prompt = arguments.get(family.latent), arguments.get(family.prompt) if family.prompt else None
     context = family.context(arguments) if family.context is not None else state.context
-    stream = generation.enter(state, latents, prompt, context)
-    mode = schedule.decide(state, stream, arguments, verified=chain is not None, plain=bool(patched))
+    stream = generation.enter(state, latents, prompt, context, swapped=swapped)
+    mode = schedule.decide(state, stream, arguments, verified=chain is not None, plan=plan, chain=chain)
     revising = mode != "off" and plan.cannot_revise is None and state.generation.sigmas is not None
     # Under torch.compile some blocks run inside graphs (their Python never runs) and others, past a graph break or
     # dynamo's recompile limit, eagerly: the call order can only be checked where every block runs eagerly.
     revising = revising and (chain is None or chain.revise is None)
     total = parallel.summer(parallel.ranks(state))
-    step = BlockStep(mode, chain=chain, path=path, eager=not under_dynamo(), revising=revising, total=total)
+    eager = not under_dynamo()
+    step = BlockStep(mode, chain=chain, path=path, eager=eager, revising=revising, total=total)
+    if mode in ("cached", "probe") and eager:  # a cached ComfyUI step: the skipped blocks out of the call path
+        step.shadows = shadows
     if mode == "full" and chain is None:
         step.recorder = Recorder(plan.layout)
     state.step = step
     return step
 
 
-def _patched(state: BlockState, chain: Chain | None, arguments: dict[str, Any]) -> list[str]:
-    """The blocks of this call that a cached step would skip and that a host-side block patch of the call takes the
-    place of or follows (ComfyUI's ``patches_replace["dit"]``, ``patches["double_block"]``: the family's ``patched``).
-    Such a call runs as without the cache: a cached step would leave the patch out, or (a patch that adds to what its
-    block returns, as PuLID-Flux's does) add it again on top of a residual that holds it already. Said once per cache.
-    Before its call path is verified every block counts as one a cached step may skip."""
-    family, plan = state.family, state.plan
-    touched = family.patched(arguments) if family.patched is not None else ()
-    if not touched:
-        return []
-    layout = plan.layout
-    skipped = {p for p, slot in chain.slots.items() if slot.run >= 0} if chain is not None else set(range(layout.n_blocks))
-    attrs = [spec.attr for spec in family.blocks]
-    hit = []
-    for position in sorted(skipped):
-        attr, _, index = layout.names[position].rpartition(".")
-        k = attrs.index(attr)
-        if (-1, -1) in touched or (k, -1) in touched or (k, int(index)) in touched:
-            hit.append(layout.names[position])
-    if hit and not plan.told_patched:
-        plan.told_patched = True
-        warnings.warn(
-            f"torchfix.deepcache: {type(state.model()).__name__}: a call carries block patches (ComfyUI's "
-            f"transformer_options patches_replace['dit'] or patches['double_block']) on blocks a cached step would skip "
-            f"({', '.join(hit[:4])}{', ...' if len(hit) > 4 else ''}). Such calls run in full, every block and patch as "
-            "without the cache (a cached step would drop the patch, or apply it twice on top of the cached residual); "
-            "calls without them are cached as before.",
-            TorchfixWarning,
-            stacklevel=4,
-        )
-    return hit
-
-
-def _skipping(state: BlockState, step: BlockStep) -> Any:
-    """While a cached step of a ComfyUI transformer runs (eager): its block lists as the model's forward reads them,
-    each block of a cached run in its list replaced by its stand-in (:func:`_stand_in`), so that a skipped block is
-    not called at all (no module call, no hooks) and every index stays where it was (ComfyUI's loops look patches,
-    ControlNet residuals and modulations up by it). Put back when the call ends, also when it raises. Elsewhere
-    (diffusers' transformers, whose block hooks expect every block to be called; under torch.compile) the blocks
-    are called and their installed forwards stand in."""
-    if step.mode not in ("cached", "probe") or step.chain is None or not step.eager or state.family.host != "comfyui":
-        return contextlib.nullcontext()
-    if torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    plan, model = state.plan, state.model()
-    where = plan.skipped.get(step.path)
-    if where is None:  # once per call path: (list, index in it, block, stand-in) of each block of a cached run
-        where = plan.skipped[step.path] = tuple(_skipped(state, position) for position, slot in step.chain.slots.items() if slot.run >= 0)
-    lists: dict[str, list] = {}
-    for attr, index, block, stand_in in where:
-        if attr not in lists:
-            if attr in vars(model):  # something else stands in front of the block list: the blocks are called
-                return contextlib.nullcontext()
-            lists[attr] = list(getattr(model, attr))
-        if lists[attr][index] is not block:  # a block swapped since apply: the blocks are called (the checks catch it)
-            return contextlib.nullcontext()
-        lists[attr][index] = stand_in
-    return instance.shadowed(model, lists)
-
-
-def _skipped(state: BlockState, position: int) -> tuple[str, int, torch.nn.Module, Any]:
-    layout = state.plan.layout
-    attr, _, index = layout.names[position].rpartition(".")
-    block = layout.blocks[position]
-    return attr, int(index), block, _stand_in(weakref.ref(state), position, block, layout.specs[position])
+def _shadows(state: BlockState, chain: Chain | None, path: frozenset) -> dict[str, list] | None:
+    """What a cached step of this call path reads for its block lists, where the blocks it skips leave the call path:
+    each list with every block of a cached run replaced by its stand-in (made at apply: :func:`_stand_in`), every index
+    where it was (ComfyUI's loops look patches, ControlNet residuals and modulations up by it). ``None`` where the
+    blocks are called as they are: before the path is verified, for a diffusers transformer (whose block hooks, group
+    offloading and layerwise casting expect every block to be called), or where the model's lists are not the ones
+    the cache was applied to. Made once per call path."""
+    plan = state.plan
+    if chain is None or not plan.stand_ins:
+        return None
+    if path not in plan.shadows:  # (list, index in it, layout position) of each block of a cached run
+        names = plan.layout.names
+        plan.shadows[path] = tuple((*names[p].rpartition(".")[::2], p) for p, slot in chain.slots.items() if slot.run >= 0)
+    model, lists = state.model(), {}
+    for attr, index, position in plan.shadows[path]:
+        if attr in vars(model):  # something else stands in front of the block list: the blocks are called
+            return None
+        held = lists.setdefault(attr, list(getattr(model, attr)))
+        if held[int(index)] is not plan.layout.blocks[position]:  # a block swapped since apply: called (the checks catch it)
+            return None
+        held[int(index)] = plan.stand_ins[position]
+    return lists
 
 
 def _model_forward(state: BlockState) -> Any:
@@ -359,8 +320,8 @@ def _model_forward(state: BlockState) -> Any:
                 if step.recorder is not None:  # the first call of this call path: observed, and its chain verified
                     output = verify(state, state.model(), original, args, kwargs)
                 else:
-                    with _skipping(state, step):  # a cached ComfyUI step: the skipped blocks out of the call path
-                        output = original(*args, **kwargs)
+                    with instance.shadowed(state.model(), step.shadows) if step.shadows else contextlib.nullcontext():
+                        output = original(*args, **kwargs)  # a cached ComfyUI step: stand-ins for the skipped blocks
                     if step.mode in ("full", "cached") and step.chain is not None and step.eager and not torch.compiler.is_compiling():
                         check_calls(state, step)
             finally:  # the step is over: what it kept joins the history; a full step may revise the cached ones
@@ -446,7 +407,7 @@ def _in_place_of(state: BlockState, step: BlockStep, position: int, now: tuple[A
 
 
 def _stand_in(state_ref: weakref.ref[BlockState], position: int, block: torch.nn.Module, spec: Blocks) -> Any:
-    """What a cached ComfyUI step's block list holds in place of block ``position`` of a cached run (:func:`_skipping`):
+    """What a cached ComfyUI step's block list holds in place of block ``position`` of a cached run (:func:`_shadows`):
     a plain function taking the block's arguments that returns what the block's installed forward would return on
     that step, without calling the block. Where the step turns full at it (a probe, streams of another shape) it
     calls the block, through its module call and hooks."""
@@ -497,6 +458,8 @@ def apply_transformer(model: torch.nn.Module, config: DeepCacheConfig, layout: T
     state_ref = weakref.ref(state)
     for position, (block, spec) in enumerate(zip(layout.blocks, layout.specs)):
         state.handles.append(instance.wrap_forward(block, HOOK_NAME + "_block", _block_forward(state_ref, position, block, spec)))
+        if layout.family.host == "comfyui":  # its cached steps call these instead of the blocks they skip
+            state.plan.stand_ins[position] = _stand_in(state_ref, position, block, spec)
     state.plan.prompt_only_names = tuple(prompt_only.install(state, model, layout.family.prompt_only))
     state.handles.append(
         instance.wrap_forward(model, HOOK_NAME, _model_forward(state), reset=state.reset, on_context=engine.context_listener(state_ref))

@@ -39,6 +39,7 @@ __all__ = [
     "keep_reference",
     "last_call",
     "restart",
+    "restart_on",
     "signature_of",
     "stream_key",
 ]
@@ -184,11 +185,13 @@ def end(state: CacheState) -> None:
     state.step = state.idle()
 
 
-def enter(state: CacheState, latents: Any, prompt: Any, context: str | None = None) -> Stream:
+def enter(state: CacheState, latents: Any, prompt: Any, context: str | None = None, *, swapped: Any = None) -> Stream:
     """The stream of this call, after starting a new generation where needed: none started yet (the scheduler set
-    new timesteps), the latents changed shape, dtype or device, or a new stream would exceed :data:`MAX_STREAMS`.
-    A new stream notes the scheduler's step it starts at (:func:`clock`): Wan 2.2's second expert starts
-    mid-generation."""
+    new timesteps), a scheduler ``swapped`` in since the last call (its timesteps set: :func:`restart_on`), the
+    latents changed shape, dtype or device, or a new stream would exceed :data:`MAX_STREAMS`. A new stream notes the
+    scheduler's step it starts at (:func:`clock`): Wan 2.2's second expert starts mid-generation."""
+    if swapped is not None:
+        restart_on(state, swapped)
     gen = state.generation
     signature = signature_of(latents)
     key = stream_key(context, prompt)
@@ -257,6 +260,11 @@ def flow_euler_sigmas(scheduler: Any) -> tuple[float, ...] | None:
     if sigmas is None:
         return None
     return tuple(float(v) for v in (sigmas.tolist() if hasattr(sigmas, "tolist") else sigmas))
+
+
+def restart_on(state: CacheState, scheduler: Any) -> None:
+    """A new generation on the timesteps ``scheduler`` has set (and its sigmas, where the cache may revise)."""
+    restart(state, getattr(scheduler, "timesteps", None), flow_euler_sigmas(scheduler) if state.revises else None)
 
 
 def restart(state: CacheState, timesteps: Any, sigmas: tuple[float, ...] | None = None) -> None:

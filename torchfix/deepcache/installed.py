@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..patches import instance
-from .generation import flow_euler_sigmas, restart
+from .generation import restart_on
 
 if TYPE_CHECKING:
     from .engine import CacheState
@@ -67,15 +67,18 @@ def ensure_installed(state: CacheState) -> int:
     return n
 
 
-def check(state: CacheState) -> tuple[bool, bool]:
-    """At the start of a denoiser call: ``(engaged, moved)``: whether this call caches (:func:`engaged`), and
+def check(state: CacheState) -> tuple[bool, bool, Any]:
+    """At the start of a denoiser call: ``(engaged, moved, swapped)``: whether this call caches (:func:`engaged`);
     whether DeepCache's model forward had to move outside diffusers' context-parallel hooks (:func:`order_hooks`: the
-    call reached it already split). Where engaged, the pipeline's scheduler is followed (:func:`follow_scheduler`)."""
-    moved = order_hooks(state)[0]
-    if not engaged(state):
-        return False, moved
-    follow_scheduler(state)
-    return True, moved
+    call reached it already split); and, where engaged, the scheduler the pipeline swapped in since the last call,
+    now followed (:func:`follow_scheduler`), whose timesteps start a new generation (``generation.enter`` restarts on
+    it), else ``None``."""
+    on = engaged(state)
+    swapped = follow_scheduler(state) if on else None
+    model = state.model() if state.model is not None else None
+    if model is None or getattr(model, "_parallel_config", None) is None:
+        return on, False, swapped
+    return on, instance.place_all(state.handles, model, _context_parallel_hook)[0], swapped
 
 
 def _context_parallel_hook(name: str) -> bool:
@@ -90,19 +93,7 @@ def order_hooks(state: Any) -> tuple[bool, bool]:
     model = state.model() if state.model is not None else None
     if model is None or getattr(model, "_parallel_config", None) is None:
         return False, False
-    moved_model = moved_block = False
-    for h in state.handles:
-        if isinstance(h, instance.ForwardHandle):
-            outside = h.module is model
-            if instance.place(h, _context_parallel_hook, outside=outside):
-                moved_model |= outside
-                moved_block |= not outside
-    return moved_model, moved_block
-
-
-def _restart(state: CacheState, scheduler: Any) -> None:
-    """A new generation, with the step count ``scheduler`` has set."""
-    restart(state, getattr(scheduler, "timesteps", None), flow_euler_sigmas(scheduler) if state.revises else None)
+    return instance.place_all(state.handles, model, _context_parallel_hook)
 
 
 @dataclasses.dataclass
@@ -126,7 +117,7 @@ def _hooked_set_timesteps(scheduler_ref: weakref.ref, set_timesteps: Any) -> Any
         for live in list(hook.states) if hook is not None else ():
             ensure_installed(live)
             if engaged(live):  # another pipeline sharing this scheduler leaves a scoped state alone
-                _restart(live, scheduler)
+                restart_on(live, scheduler)
         return result
 
     return hooked
@@ -152,29 +143,29 @@ def _hook_scheduler(state: CacheState, scheduler: Any) -> None:
         return
     state.scheduler = weakref.ref(scheduler)
     hook = _SCHEDULER_HOOKS.get(scheduler)
-    if hook is None:
-        set_timesteps = getattr(scheduler, "set_timesteps", None)
-        if not callable(set_timesteps):
-            return
-        handle = instance.set_attr(scheduler, "set_timesteps", _hooked_set_timesteps(weakref.ref(scheduler), set_timesteps))
-        hook = _SCHEDULER_HOOKS[scheduler] = _SchedulerHook(handle)
-    hook.states.add(state)
+    set_timesteps = getattr(scheduler, "set_timesteps", None)
+    if hook is None and callable(set_timesteps):
+        hook = _SCHEDULER_HOOKS[scheduler] = _SchedulerHook(None)
+        hook.states.add(state)
+        hook.handle = instance.set_attr(scheduler, "set_timesteps", _hooked_set_timesteps(weakref.ref(scheduler), set_timesteps))
+    elif hook is not None:
+        hook.states.add(state)
 
 
-def follow_scheduler(state: CacheState, pipe: Any = None) -> None:
-    """Track the scheduler the pipeline uses *now*: hook it at ``apply``, and when the pipeline's
-    scheduler was swapped since (``pipe.scheduler = DPMSolver...``), start a new generation with the
-    new scheduler's step count and move the hook to it. Called at apply and at every denoiser call."""
+def follow_scheduler(state: CacheState, pipe: Any = None) -> Any:
+    """Track the scheduler the pipeline uses *now*: hook it at ``apply``, and when the pipeline's scheduler was
+    swapped since (``pipe.scheduler = DPMSolver...``), move the hook to it and return it: this call's timesteps are
+    already set on it, so the caller starts a new generation with its step count (``generation.enter(...,
+    swapped=)``). Called at apply and at every denoiser call; ``None`` where nothing was swapped."""
     if pipe is not None:
         state.pipe = weakref.ref(pipe)
     live = None if state.pipe is None else state.pipe()
     if live is None:
-        return
+        return None
     scheduler = getattr(live, "scheduler", None)
     current = None if state.scheduler is None else state.scheduler()
     if scheduler is current and state.scheduler is not None:
-        return
+        return None
     swapped = state.scheduler is not None
     _hook_scheduler(state, scheduler)
-    if swapped:  # this call's timesteps are already set on the new scheduler: a new generation
-        _restart(state, scheduler)
+    return scheduler if swapped else None

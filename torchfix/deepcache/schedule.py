@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import TorchfixWarning
 from ._graphs import outside_graphs
 from .forecast import moved
 from .parallel import ranks, summer
@@ -184,15 +186,18 @@ def generation_steps(state: CacheState) -> int | None:
 
 
 @outside_graphs
-def decide(state: CacheState, stream: Stream, arguments: dict[str, Any], *, verified: bool = True, plain: bool = False) -> str:
+def decide(
+    state: CacheState, stream: Stream, arguments: dict[str, Any], *, verified: bool = True, plan: Any = None, chain: Any = None
+) -> str:
     """What this denoiser call does in ``stream`` (:data:`MODES`, but "off"), counted unless it is a probe.
-    ``verified``: the family's blocks were checked on this call path (until then a call runs in full); ``plain``:
-    the call runs as without the cache whatever the schedule says (a host's block patch on a block a cached step
-    would skip). Kept out of compiled graphs: it is Python state, not tensor math."""
+    ``verified``: the family's blocks were checked on this call path (until then a call runs in full); ``plan``, ``chain``:
+    a transformer's plan and the verified chain of this path, whose cached blocks a host's block patches may touch (such a call runs
+    as without the cache: :func:`_patched`). Kept out of compiled graphs: it is Python state, not tensor math."""
     index = stream.step
     stream.step += 1
     config = state.generation.config
     extra = arguments.get("kwargs") or {}  # what a forward's **kwargs took (ComfyUI's Wan takes control there)
+    plain = plan is not None and state.family.patched is not None and bool(_patched(state, plan, chain, arguments))
     if plain or config.interval == 1 or any(arguments.get(name, extra.get(name)) is not None for name in state.family.full_only_arguments):
         mode = "plain"
     elif not stream.histories.get(0) or not verified:
@@ -235,3 +240,36 @@ def restarted(state: CacheState, was_cached: bool) -> None:
         state.cached_steps -= 1
         stream.cached -= 1
     count(state, stream, True)
+
+
+def _patched(state: Any, plan: Any, chain: Any, arguments: dict[str, Any]) -> list[str]:
+    """The blocks of this call that a cached step would skip and that a host-side block patch of the call takes the
+    place of or follows (ComfyUI's ``patches_replace["dit"]``, ``patches["double_block"]``: the family's ``patched``).
+    Such a call runs as without the cache: a cached step would leave the patch out, or (a patch that adds to what its
+    block returns, as PuLID-Flux's does) add it again on top of a residual that holds it already. Said once per cache.
+    Before its call path is verified every block counts as one a cached step may skip."""
+    family = state.family
+    touched = family.patched(arguments) if family.patched is not None else ()
+    if not touched:
+        return []
+    layout = plan.layout
+    skipped = {p for p, slot in chain.slots.items() if slot.run >= 0} if chain is not None else set(range(layout.n_blocks))
+    attrs = [spec.attr for spec in family.blocks]
+    hit = []
+    for position in sorted(skipped):
+        attr, _, index = layout.names[position].rpartition(".")
+        k = attrs.index(attr)
+        if (-1, -1) in touched or (k, -1) in touched or (k, int(index)) in touched:
+            hit.append(layout.names[position])
+    if hit and not plan.told_patched:
+        plan.told_patched = True
+        warnings.warn(
+            f"torchfix.deepcache: {type(state.model()).__name__}: a call carries block patches (ComfyUI's "
+            f"transformer_options patches_replace['dit'] or patches['double_block']) on blocks a cached step would skip "
+            f"({', '.join(hit[:4])}{', ...' if len(hit) > 4 else ''}). Such calls run in full, every block and patch as "
+            "without the cache (a cached step would drop the patch, or apply it twice on top of the cached residual); "
+            "calls without them are cached as before.",
+            TorchfixWarning,
+            stacklevel=4,
+        )
+    return hit

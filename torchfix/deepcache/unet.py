@@ -76,12 +76,12 @@ def _decide(state: UNetState, sample: torch.Tensor, prompt: Any, arguments: dict
     """True for a full step, False for a cached one, None to run the UNet untouched (outside the scope of
     ``torchfix.wrap``'s call). A UNet's cached step recomputes from the sample, so with a threshold the sample is
     what the features are judged by."""
-    engaged, _ = installed.check(state)
+    engaged, _, swapped = installed.check(state)
     if not engaged:
         state.step = UNetStep()
         return None
     context = state.family.context(arguments) if state.family.context is not None else state.context
-    stream = generation.enter(state, sample, prompt, context)
+    stream = generation.enter(state, sample, prompt, context, swapped=swapped)
     mode = schedule.decide(state, stream, arguments)
     if mode == "probe":
         mode = schedule.probe(state, sample)

@@ -29,6 +29,7 @@ __all__ = [
     "add_hook",
     "forward_source",
     "place",
+    "place_all",
     "set_attr",
     "shadowed",
     "swap_tensor",
@@ -349,6 +350,23 @@ def wrap_forward(
         handle = ForwardHandle(module, name, make, reset, on_context, created_registry=created, had_forward=had_forward)
     handle.installed = vars(module).get("forward")
     return handle
+
+
+def place_all(handles: list[Any], outer: torch.nn.Module, theirs: Callable[[str], bool]) -> tuple[bool, bool]:
+    """:func:`place` each forward handle among ``handles``: the one on ``outer`` outside the hooks ``theirs`` names,
+    every other inside them. Returns whether any moved: ``outer``'s, another's.
+
+    >>> place_all([], torch.nn.Identity(), lambda name: False)
+    (False, False)
+    """
+    moved_outer = moved_inner = False
+    for h in handles:
+        if isinstance(h, ForwardHandle):
+            outside = h.module is outer
+            if place(h, theirs, outside=outside):
+                moved_outer |= outside
+                moved_inner |= not outside
+    return moved_outer, moved_inner
 
 
 def place(handle: ForwardHandle, theirs: Callable[[str], bool], *, outside: bool) -> bool:
