@@ -24,11 +24,11 @@ import torch
 
 from ..errors import TorchfixWarning
 from ._graphs import outside_graphs
+from .config import DeepCacheConfig
 from .forecast import moved
 from .parallel import ranks, summer
 
 if TYPE_CHECKING:
-    from .config import DeepCacheConfig
     from .engine import CacheState
     from .generation import Stream
 
