@@ -23,6 +23,8 @@ def test_the_package_has_examples_to_run():
 @pytest.mark.parametrize("name", MODULES)
 def test_the_docstring_examples_run(name):
     module = importlib.import_module(name)
+    filtering = torchfix.traceback_filtering()
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False, report=False)
     where = name.replace(".", "/")
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed (pytest --doctest-modules {where}.py)"
+    assert torchfix.traceback_filtering() == filtering, f"{name}'s examples left traceback filtering changed"

@@ -294,9 +294,11 @@ def traceback_filtering(on: bool | None = None) -> bool:
     (:class:`torchfix.TorchfixError`) keep every frame.
 
     >>> import torchfix
-    >>> before = torchfix.traceback_filtering(False)   # every frame, as when debugging torchfix itself
-    >>> torchfix.traceback_filtering(before)
+    >>> before = torchfix.traceback_filtering()   # the setting now
+    >>> torchfix.traceback_filtering(False)       # every frame, as when debugging torchfix itself
     False
+    >>> torchfix.traceback_filtering(before) == before
+    True
     """
     if on is not None:
         if not isinstance(on, bool):
