@@ -185,7 +185,7 @@ def test_img2img_starts_with_a_full_step(sd15):
     out = img2img("a cat", image=init, strength=0.5, num_inference_steps=10, output_type="latent",
                   generator=torch.Generator().manual_seed(0)).images  # fmt: skip
     state = torchfix.deepcache.state_of(sd15)
-    assert state.current.step == 5 and torchfix.deepcache.stats(sd15)["full_steps"] - st0["full_steps"] == 2
+    assert state.generation.current.step == 5 and torchfix.deepcache.stats(sd15)["full_steps"] - st0["full_steps"] == 2
     torchfix.deepcache.remove(sd15)
     torchfix.deepcache.apply(sd15, CFG)
     fresh = img2img("a cat", image=init, strength=0.5, num_inference_steps=10, output_type="latent",
@@ -204,7 +204,7 @@ def test_schedulers_count_calls_not_timesteps(sd15, scheduler):
         out = generate(sd15, steps=5)
         state = torchfix.deepcache.state_of(sd15)
         calls = len(sd15.scheduler.timesteps)  # Heun: 2·5−1 UNet calls, timesteps repeated
-        assert state.current.step == calls == state.generation.total
+        assert state.generation.current.step == calls == state.generation.total
         assert state.full_steps == len(torchfix.deepcache.full_steps(calls, CFG))
         assert torch.isfinite(out).all()
     finally:

@@ -103,7 +103,10 @@ def test_forecast_changes_cached_steps_only_and_holds_order_plus_one_features(pi
     for order in (0, 1, 2):
         state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, forecast=order))
         seen = []  # after each call (the cache is freed when the pipeline ends)
-        hook = model.register_forward_hook(lambda *a, seen=seen, state=state: seen.append([len(s.history) for s in state.streams.values()]))
+        def kept(*a, seen=seen, state=state):  # the generation of now: a new one replaces the object
+            seen.append([len(s.history) for s in state.generation.streams.values()])
+
+        hook = model.register_forward_hook(kept)
         try:
             outs[order] = latents(pipe, steps=9)
         finally:
@@ -142,7 +145,7 @@ def test_each_guidance_stream_forecasts_from_its_own_history():
     kw = dict(negative_prompt="a dog", true_cfg_scale=3.0)
     state = torchfix.deepcache.apply(pipe, DeepCacheConfig(interval=3, forecast=1))
     seen = []  # the streams' histories after each transformer call (the cache is freed when the pipeline ends)
-    hook = pipe.transformer.register_forward_hook(lambda *a: seen.append([list(s.history) for s in state.streams.values()]))
+    hook = pipe.transformer.register_forward_hook(lambda *a: seen.append([list(s.history) for s in state.generation.streams.values()]))
     try:
         both = latents(pipe, steps=9, **kw)
     finally:
@@ -282,7 +285,7 @@ def _affine_run(warm_up: bool, sensitivity: float | None) -> tuple[list[float], 
     got = [model(x, text) for x in inputs]
     full = torchfix.deepcache.schedule.full_steps(12, state.config)
     errors = {k: ((o - p).norm() / p.norm()).item() for k, (o, p) in enumerate(zip(got, plain)) if k not in full}
-    measured = (dict(state.current.sensitivity), torchfix.deepcache.stats(model)["sensitivity"])
+    measured = (dict(state.generation.current.sensitivity), torchfix.deepcache.stats(model)["sensitivity"])
     torchfix.deepcache.remove(model)
     return errors, measured, full
 

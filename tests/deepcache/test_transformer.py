@@ -77,7 +77,8 @@ def test_each_guidance_stream_keeps_its_own_cache():
     ref = latents(pipe, steps=9, **kw)
     state = torchfix.deepcache.apply(pipe, CFG)
     seen = []
-    hook = pipe.transformer.register_forward_hook(lambda *a: seen.append([st.residual[1] for st in state.streams.values() if st.residual]))
+    streams = lambda: state.generation.streams.values()  # noqa: E731  (a new generation replaces the object)
+    hook = pipe.transformer.register_forward_hook(lambda *a: seen.append([st.residual[1] for st in streams() if st.residual]))
     try:
         out = latents(pipe, steps=9, **kw)
     finally:

@@ -76,21 +76,6 @@ class CacheState:
     def cache_bytes(self) -> int:
         return self.generation.nbytes
 
-    @property
-    def mode(self) -> str:
-        """What the call in progress does (:data:`MODES`)."""
-        return self.step.mode
-
-    @property
-    def current(self) -> Stream | None:
-        """The stream of the call in progress (or the last one)."""
-        return self.generation.current
-
-    @property
-    def streams(self) -> dict[Any, Stream]:
-        """The current generation's streams."""
-        return self.generation.streams
-
     def idle(self) -> Step:
         """The step between calls: nothing in progress (a mechanism's own kind of step)."""
         return Step()
