@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -301,50 +302,46 @@ def _unswapped(monkeypatch) -> None:
     monkeypatch.setattr(blocks, "_shadows", lambda state, chain, path: None)
 
 
+def _cached_and_called(tiny: Any, monkeypatch: Any, interval: int, threshold: float, steps: int) -> tuple:
+    """One sampling run cached as this round does (skipped blocks out of the call path), then one as before (every
+    block called, its installed forward standing in): both outputs, the cache's stats, the block hooks that fired
+    and the blocks that computed in the first run, and the hooks that fired in the second."""
+    hooks = BlockHooks(tiny.diffusion_model)
+    try:
+        (cached,) = TorchfixCache().patch(tiny.patcher, interval, threshold, 0)
+        with comfyui.BlockCounter(tiny.diffusion_model) as computed:
+            out = comfyui.sample(tiny, cached, steps=steps)
+        stats, fired = torchfix.deepcache.stats(tiny.diffusion_model), hooks.calls
+        assert not any("double_blocks" in vars(m) or "blocks" in vars(m) for m in tiny.diffusion_model.modules())  # put back
+        _unswapped(monkeypatch)
+        hooks.calls = 0
+        (before,) = TorchfixCache().patch(tiny.patcher, interval, threshold, 0)
+        with comfyui.BlockCounter(tiny.diffusion_model) as computed_before:
+            old = comfyui.sample(tiny, before, steps=steps)
+        assert computed_before.calls == computed.calls
+        return out, old, stats, fired, computed.calls, hooks.calls
+    finally:
+        hooks.remove()
+        torchfix.deepcache.remove(tiny.diffusion_model)
+
+
 @pytest.mark.parametrize("name", TRANSFORMERS)
 def test_a_cached_step_calls_no_skipped_block(name, monkeypatch):
     """Under ComfyUI's sampler a block's forward hooks fire exactly where the block computed: on a cached step the
     skipped blocks are not called at all. The result is bit-identical to the cached step that called every block and
     let its installed forward hand the input on, which fired the hooks of every block on every step."""
-    tiny = comfyui.tiny(name)
-    hooks = BlockHooks(tiny.diffusion_model)
-    try:
-        (cached,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
-        with comfyui.BlockCounter(tiny.diffusion_model) as computed:
-            out = comfyui.sample(tiny, cached, steps=8)
-        stats = torchfix.deepcache.stats(tiny.diffusion_model)
-        assert stats["cached_steps"] > 0 and hooks.calls == computed.calls, (hooks.calls, computed.calls)
-        assert not any("double_blocks" in vars(m) or "blocks" in vars(m) for m in tiny.diffusion_model.modules())  # put back
-        _unswapped(monkeypatch)
-        hooks.calls = 0
-        (before,) = TorchfixCache().patch(tiny.patcher, 3, 0.0, 0)
-        with comfyui.BlockCounter(tiny.diffusion_model) as computed_before:
-            old = comfyui.sample(tiny, before, steps=8)
-        assert torch.equal(out, old)
-        assert computed_before.calls == computed.calls and hooks.calls > computed.calls
-    finally:
-        hooks.remove()
-        torchfix.deepcache.remove(tiny.diffusion_model)
+    out, old, stats, fired, computed, fired_before = _cached_and_called(comfyui.tiny(name), monkeypatch, 3, 0.0, 8)
+    assert stats["cached_steps"] > 0 and fired == computed, (fired, computed)
+    assert torch.equal(out, old) and fired_before > computed
 
 
 def test_a_threshold_step_decided_at_the_first_cached_block_calls_only_what_computes(monkeypatch):
     """With a refresh threshold the features entering the first cached block decide the step: the stand-in decides,
     and where the step turns full it calls the block (hooks and all), so the hooks still fire exactly where a block
     computed, and the result equals the cached steps that called every block."""
-    tiny = comfyui.tiny("flux")
-    hooks = BlockHooks(tiny.diffusion_model)
-    try:
-        (cached,) = TorchfixCache().patch(tiny.patcher, 4, 0.05, 0)
-        with comfyui.BlockCounter(tiny.diffusion_model) as computed:
-            out = comfyui.sample(tiny, cached, steps=10)
-        stats = torchfix.deepcache.stats(tiny.diffusion_model)
-        assert stats["cached_steps"] > 0 and stats["full_steps"] > 4 and hooks.calls == computed.calls
-        _unswapped(monkeypatch)
-        (before,) = TorchfixCache().patch(tiny.patcher, 4, 0.05, 0)
-        assert torch.equal(comfyui.sample(tiny, before, steps=10), out)
-    finally:
-        hooks.remove()
-        torchfix.deepcache.remove(tiny.diffusion_model)
+    out, old, stats, fired, computed, _ = _cached_and_called(comfyui.tiny("flux"), monkeypatch, 4, 0.05, 10)
+    assert stats["cached_steps"] > 0 and stats["full_steps"] > 4 and fired == computed
+    assert torch.equal(out, old)
 
 
 def test_a_block_list_is_put_back_when_the_call_raises():
