@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .tiny import LTX2, WAN, Call, Tiny, _text, _video
+from .tiny import JOYIMAGE, LTX2, WAN, Call, Tiny, _text, _video
 
 __all__ = ["TINY", "UNBUILDABLE"]
 
@@ -501,16 +501,7 @@ TINY: list[Tiny] = [
     Tiny(
         "auto:JoyImageEditPlusTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel",
-        {
-            "patch_size": [1, 2, 2],
-            "in_channels": 16,
-            "hidden_size": 32,
-            "num_attention_heads": 2,
-            "text_dim": 16,
-            "num_layers": 2,
-            "rope_dim_list": [4, 6, 6],
-            "theta": 256,
-        },
+        JOYIMAGE,
         _joyimage_edit_plus_inputs,
         sizes=((4, 4), (6, 8)),
         per_sample=("shape_list",),

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .tiny import ADDED_IN, LTX2, WAN, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
+from .tiny import ADDED_IN, JOYIMAGE, LTX2, WAN, Call, Size, Tiny, _batch, _diffusers_below, _ids, _image, _take, _text, _video, _wake  # noqa: F401
 
 __all__ = ["ADDED_IN", "FAMILIES", "Outputs", "Tiny", "denoise", "output_of", "replace"]
 
@@ -855,16 +855,7 @@ _TINY = [
     Tiny(
         "joyimage",
         "JoyImageEditTransformer3DModel",
-        {
-            "patch_size": [1, 2, 2],
-            "in_channels": 16,
-            "hidden_size": 32,
-            "num_attention_heads": 2,
-            "text_dim": 16,
-            "num_layers": 2,
-            "rope_dim_list": [4, 6, 6],
-            "theta": 256,
-        },
+        JOYIMAGE,
         lambda c: {"hidden_states": _video(c, 16), "encoder_hidden_states": _text(c, 12, 16)},
         scale=1.0,
         sizes=((4, 4), (6, 8)),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ADDED_IN", "LTX2", "WAN", "Call", "Size", "Tiny"]
+__all__ = ["ADDED_IN", "JOYIMAGE", "LTX2", "WAN", "Call", "Size", "Tiny"]
 
 # Wan's tiny config (diffusers' test sizes): the Wan-layout builders' (Wan, SkyReels-V2) and the base of
 # Wan-Animate's and Helios's
@@ -35,6 +35,18 @@ WAN: dict[str, Any] = {
     "rope_max_seq_len": 32,
 }
 
+
+# JoyImage-Edit's tiny config (diffusers' tests), shared by JoyImage-Edit and JoyImage-Edit-Plus.
+JOYIMAGE: dict[str, Any] = {
+    "patch_size": [1, 2, 2],
+    "in_channels": 16,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "text_dim": 16,
+    "num_layers": 2,
+    "rope_dim_list": [4, 6, 6],
+    "theta": 256,
+}
 
 # LTX-2's tiny config (diffusers' test sizes): the ltx2 builder's, and the SANA-WM refiner's (an LTX-2 layout)
 LTX2: dict[str, Any] = {
