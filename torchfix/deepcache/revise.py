@@ -33,13 +33,15 @@ def after_call(state: BlockState, output: Any, kept: bool) -> Any:
     output what the cached steps since the last one would have added, revised (eager: Python lists and numbers).
 
     >>> import torch
-    >>> class S: step, generation, idle = None, None, staticmethod(lambda: None)
+    >>> from torchfix.deepcache.blocks import BlockStep
+    >>> from torchfix.deepcache.generation import Generation
+    >>> class S: step, generation, idle = BlockStep("full"), Generation(None), BlockStep  # a full step, not revising
     >>> after_call(S(), (torch.zeros(1),), False)[0]
     tensor([0.])
     """
-    step, stream = state.step, state.generation.current if state.generation is not None else None
+    step, stream = state.step, state.generation.current
     state.step = state.idle()
-    if step is None or not step.revising or stream is None or step.chain is None or step.chain.revise is not None:
+    if not step.revising or stream is None or step.chain is None or step.chain.revise is not None:
         return output
     sample = sample_of(output)
     if step.mode == "cached":
